@@ -1,0 +1,90 @@
+"""GSM8K answer extraction: the gold number after ``####`` and a flexible extractor for model outputs.
+
+The flexible extractor follows lm-eval-harness's GSM8K "flexible-extract" idea (the last number in
+the text) with a few safer rules for chatty instruct models:
+
+1. an explicit final marker wins: the first number after the *last* ``####``, "The answer is",
+   "Answer:" or ``\\boxed{...}``;
+2. otherwise the last number anywhere in the text.
+
+Numbers are normalised before comparison: dollar signs, thousands commas and trailing periods
+are dropped, ``12.00`` equals ``12`` and ``-3`` keeps its sign. Units after a number
+("18 dollars", "5 km") are ignored because only the number is read.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+
+__all__ = ["extract_gold", "extract_answer", "normalize_number", "is_correct"]
+
+# A number: optional sign, optional $, digits with optional thousands commas, optional decimals.
+_NUM = r"-?\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\$?\.\d+"
+_NUM_RE = re.compile(_NUM)
+_MARKERS = re.compile(
+    r"(?:####|the\s+(?:final\s+)?answer\s+is\s*:?|final\s+answer\s*:|answer\s*:|\\boxed\{)",
+    re.IGNORECASE,
+)
+
+
+def normalize_number(text: str) -> str | None:
+    """Canonical form of a number string (``"$1,234.50"`` -> ``"1234.5"``), None if not a number.
+
+    Integral values lose their decimals (``"12.00"`` -> ``"12"``).
+    """
+    s = text.strip().replace("$", "").replace(",", "").replace(" ", "").rstrip(".")
+    if not s:
+        return None
+    try:
+        d = Decimal(s)
+    except InvalidOperation:
+        return None
+    if d == d.to_integral_value():
+        return str(int(d))
+    return format(d.normalize(), "f")
+
+
+def extract_gold(answer: str) -> str:
+    """The gold number of a GSM8K ``answer`` field (the text after ``####``), normalised.
+
+    Raises:
+        ValueError: no ``####`` marker, or no number after it.
+    """
+    if "####" not in answer:
+        raise ValueError("The answer has no '#### number' line (not GSM8K format).")
+    tail = answer.rsplit("####", 1)[1]
+    m = _NUM_RE.search(tail)
+    value = normalize_number(m.group(0)) if m else None
+    if value is None:
+        raise ValueError(f"No number after '####' in the answer: {tail.strip()[:40]!r}.")
+    return value
+
+
+def extract_answer(text: str) -> str | None:
+    """The number a model's answer gives (flexible extraction), normalised; None if none.
+
+    Args:
+        text: the generated answer.
+
+    Returns:
+        The first number after the last answer marker ("####", "The answer is", "Answer:",
+        "\\boxed{"), else the last number in the text; None when the text holds no number.
+    """
+    markers = list(_MARKERS.finditer(text))
+    if markers:
+        m = _NUM_RE.search(text, markers[-1].end())
+        if m:
+            value = normalize_number(m.group(0))
+            if value is not None:
+                return value
+    for m in reversed(list(_NUM_RE.finditer(text))):
+        value = normalize_number(m.group(0))
+        if value is not None:
+            return value
+    return None
+
+
+def is_correct(extracted: str | None, gold: str) -> bool:
+    """True when the extracted number equals the gold one (both normalised)."""
+    return extracted is not None and normalize_number(extracted) == normalize_number(gold)

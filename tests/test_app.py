@@ -1,0 +1,170 @@
+"""The Gradio app through its API (gradio_client), on the real default model (SmolLM2 GGUF).
+
+The app is served in-process on 127.0.0.1; its answers are compared with the engine's own
+``model.decoding.generate`` on the same loaded model.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+
+import pytest
+
+from model.decoding import confadapt, generate, standard, static_k
+
+pytestmark = pytest.mark.integration
+
+N_NEW = 16
+PROMPT = "What is 7 times 8? Answer with the number."
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served():
+    """(demo, url, loaded default model): the app served on loopback for this module."""
+    from app import build_app, launch
+
+    demo = build_app()
+    lm = demo.mtp_registry.get("smollm2-135m", "none")
+    _, url, _ = launch(demo, server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True)
+    yield demo, url, lm
+    demo.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    from gradio_client import Client
+
+    return Client(served[1], verbose=False)
+
+
+def ask(client, message, history_std=(), history_mtp=(), strategy="ConfAdapt", tau=0.9, k_max=16, k=3,
+        max_new_tokens=N_NEW):
+    """One /chat call; returns the outputs as a dict keyed by component."""
+    out = client.predict(message, list(history_std), list(history_mtp), strategy, tau, k_max, k, max_new_tokens,
+                         api_name="/chat")
+    keys = ["message", "chat_std", "chat_mtp", "stats_std", "stats_mtp", "speedup", "coloured", "figure", "race",
+            "table", "status"]
+    return dict(zip(keys, out))
+
+
+def answer_text(chat) -> str:
+    """Text of the last assistant message of a Chatbot value (Gradio 6 content parts)."""
+    last = chat[-1]
+    assert last["role"] == "assistant"
+    content = last["content"]
+    return content if isinstance(content, str) else "".join(c.get("text", "") for c in content)
+
+
+def counters(stats_md: str) -> dict[str, float]:
+    """Parse the stats table under a pane."""
+    head, _, row = [ln for ln in stats_md.splitlines() if ln.startswith("|")][:3]
+    names = [c.strip() for c in head.strip("|").split("|")]
+    values = [float(c) for c in row.strip("|").split("|")]
+    return dict(zip(names, values))
+
+
+def test_answers_one_prompt_like_the_engine(served, client):
+    _, _, lm = served
+    out = ask(client, PROMPT)
+    std_ref = generate(lm, PROMPT, standard(), N_NEW)
+    mtp_ref = generate(lm, PROMPT, confadapt(0.9, 16), N_NEW)
+    assert out["status"].startswith("Done in"), out["status"]
+    assert answer_text(out["chat_std"]) == std_ref.text and std_ref.text.strip()
+    assert answer_text(out["chat_mtp"]) == mtp_ref.text
+    s, m = counters(out["stats_std"]), counters(out["stats_mtp"])
+    assert s["tokens"] == std_ref.new_tokens and s["forward passes"] == std_ref.forward_passes
+    assert s["effective k"] == 1.0 and s["tokens/s"] > 0 and s["total s"] > 0
+    assert m["tokens"] == mtp_ref.new_tokens and m["forward passes"] == mtp_ref.forward_passes
+    assert m["effective k"] == pytest.approx(mtp_ref.effective_k, abs=0.005)
+    # the coloured answer is the MTP answer, one span per pass that added text
+    assert "".join(t["token"] for t in out["coloured"]) == mtp_ref.text
+    widths = [len(p.kept) for p in mtp_ref.passes if p.text]
+    assert [int(t["class_or_confidence"]) for t in out["coloured"]] == widths
+    # the animated figure holds one frame per forward pass of the MTP side
+    assert f'data-frames="{mtp_ref.forward_passes}"' in out["figure"]
+    assert "/gradio_api/file=" in out["figure"] and "plotly.min.js" in out["figure"]
+    assert re.search(r"Wall-clock speedup of ConfAdapt tau=0\.90 k_max=16 over standard: [0-9.]+×", out["speedup"])
+    rows = out["table"]["data"]
+    assert len(rows) == std_ref.forward_passes + mtp_ref.forward_passes
+    assert all(r[5] > 0 for r in rows)  # per-pass milliseconds
+
+
+def test_static_k_and_second_turn_use_the_history(served, client):
+    _, _, lm = served
+    first = ask(client, "Name a colour.", strategy="static k", k_max=4, k=2, max_new_tokens=8)
+    assert first["status"].startswith("Done in"), first["status"]
+    second = ask(client, "Name another one.", first["chat_std"], first["chat_mtp"], strategy="static k", k_max=4,
+                 k=2, max_new_tokens=8)
+    hist_std = [{"role": "user", "content": "Name a colour."},
+                {"role": "assistant", "content": answer_text(first["chat_std"])},
+                {"role": "user", "content": "Name another one."}]
+    hist_mtp = hist_std[:1] + [{"role": "assistant", "content": answer_text(first["chat_mtp"])}] + hist_std[2:]
+    assert answer_text(second["chat_std"]) == generate(lm, hist_std, standard(), 8).text
+    assert answer_text(second["chat_mtp"]) == generate(lm, hist_mtp, static_k(2, 4), 8).text
+    assert len(second["chat_std"]) == 4 and len(second["chat_mtp"]) == 4
+    assert counters(second["stats_mtp"])["effective k"] == 2.0  # static k=2: two tokens every pass
+
+
+@pytest.mark.parametrize(
+    ("message", "tau", "k_max", "k", "strategy", "max_new", "expected"),
+    [
+        ("", 0.9, 16, 3, "ConfAdapt", N_NEW, "The message is empty"),
+        ("   \n ", 0.9, 16, 3, "ConfAdapt", N_NEW, "The message is empty"),
+        ("hi", 1.5, 16, 3, "ConfAdapt", N_NEW, "tau must be in [0, 1], got 1.5"),
+        ("hi", -0.1, 16, 3, "ConfAdapt", N_NEW, "tau must be in [0, 1], got -0.1"),
+        ("hi", 0.9, 0, 3, "ConfAdapt", N_NEW, "k_max must be between 1 and 32, got 0"),
+        ("hi", 0.9, 999, 3, "ConfAdapt", N_NEW, "k_max must be between 1 and 32, got 999"),
+        ("hi", 0.9, 2.5, 3, "ConfAdapt", N_NEW, "k_max must be a whole number"),
+        ("hi", 0.9, 4, 5, "static k", N_NEW, "k (5) cannot exceed k_max (4)"),
+        ("hi", 0.9, 16, 3, "ConfAdapt", 0, "max new tokens must be at least 1, got 0"),
+        ("hi", 0.9, 16, 3, "ConfAdapt", -3, "max new tokens must be at least 1, got -3"),
+        ("x" * 20_000, 0.9, 16, 3, "ConfAdapt", N_NEW, "The message is 20,000 characters long"),
+        ("hello " * 2_500, 0.9, 16, 3, "ConfAdapt", N_NEW, "this demo prefills at most 2,048 tokens"),
+    ],
+)
+def test_bad_input_gives_a_clear_message(client, message, tau, k_max, k, strategy, max_new, expected):
+    out = ask(client, message, strategy=strategy, tau=tau, k_max=k_max, k=k, max_new_tokens=max_new)
+    assert out["status"].startswith("⚠️ **Error:**"), out["status"]
+    assert expected in out["status"]
+    assert "Traceback" not in out["status"]
+
+
+@pytest.mark.parametrize(
+    ("choice", "path", "quant", "expected"),
+    [
+        ("smollm2-135m", "/nonexistent/model-dir", "none", "No such local model: /nonexistent/model-dir"),
+        ("smollm2-135m", "not a source!", "none", "Unknown model source 'not a source!'"),
+        ("smollm2-135m", "", "4bit", "needs a CUDA GPU"),
+    ],
+)
+def test_bad_model_source_keeps_the_current_model(client, choice, path, quant, expected):
+    info, status = client.predict(choice, path, quant, api_name="/load_model")
+    assert expected in status and "Still using `smollm2-135m`" in status
+
+
+def test_app_keeps_serving_after_errors(served, client):
+    _, _, lm = served
+    ask(client, "", max_new_tokens=4)
+    client.predict("smollm2-135m", "/no/such/dir", "none", api_name="/load_model")
+    out = ask(client, PROMPT, max_new_tokens=6)
+    assert out["status"].startswith("Done in")
+    assert answer_text(out["chat_std"]) == generate(lm, PROMPT, standard(), 6).text
+
+
+def test_model_info_shows_the_untrained_warning(served):
+    demo, _, lm = served
+    from app.ui import model_markdown
+
+    md = model_markdown(lm)
+    assert f"`{lm.source}`" in md and f"mask token id {lm.mask_token_id}" in md
+    for w in lm.warnings:  # e.g. "not MTP-trained" while assets/ has no trained adapter
+        assert w in md
+    assert ("not MTP-trained" in md) == (not lm.mtp_trained)
