@@ -94,7 +94,9 @@ def test_cli_json(smollm2):
         (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
     ],
 )
-def test_cli_bad_input(args, message):
-    out = _cli(*args)
-    assert out.returncode == 2
-    assert message in out.stderr and "Traceback" not in out.stderr
+def test_cli_bad_input(args, message, capsys):
+    from model.generate import main
+
+    assert main(args) == 2  # in-process: the same entry point as `python -m model.generate`
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
