@@ -1,0 +1,271 @@
+"""lm-eval-harness model ``mtp``: ``generate_until`` with our MTP decoding (paper 3.4 / 4.5).
+
+lm-eval 0.4.13 discovers models only from its own registry (no plugin entry points), so the
+model is registered when this module is imported (``@register_model("mtp")``). Run the harness
+through this module, which imports the registration and then hands the command line to lm-eval's
+own CLI unchanged::
+
+    python -m model.lm_eval_mtp --model mtp \\
+        --model_args pretrained=smollm2-135m,threshold=0.9,k_max=16 \\
+        --tasks gsm8k_mini --include_path tests/data --limit 8 --output_path runs/lm_eval
+
+(equivalently ``lm_eval run --model mtp ...`` from Python code that imported
+``model.lm_eval_mtp`` first; the plain ``lm_eval`` executable does not know ``mtp``).
+
+Model arguments (``--model_args``): ``pretrained`` (a source for :func:`load_checkpoint`,
+default ``smollm2-135m``), ``strategy`` (``confadapt`` default, ``static`` or ``standard``),
+``threshold`` / ``tau`` (0.9), ``k_max`` (16), ``k`` (static block size, 3),
+``max_gen_toks`` (256), ``dtype``, ``adapter`` (true), ``stats_file`` (a JSON path to write the
+decoding totals to). Effective k is logged after every ``generate_until`` call, kept in
+:attr:`MTPLM.stats`, and printed on stderr by this CLI wrapper at the end of the run.
+
+``loglikelihood`` and ``loglikelihood_rolling`` score with the base model (adapter off): one
+token per forward pass is what next-token log-likelihoods mean, so MTP does not apply.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+from .checkpoint import DEFAULT_SOURCE, LoadedModel, load_checkpoint
+from .decoding import Decoder, check_max_new_tokens, make_strategy
+
+log = logging.getLogger(__name__)
+
+#: The instances created in this process (the CLI wrapper prints their totals at the end).
+INSTANCES: list["MTPLM"] = []
+
+
+def _bool(v: Any) -> bool:
+    if isinstance(v, str):
+        return v.strip().lower() in ("1", "true", "yes", "on")
+    return bool(v)
+
+
+class MTPLM(LM):
+    """lm-eval model that generates with standard, static-k or ConfAdapt MTP decoding.
+
+    Args:
+        pretrained: a model source (str) or an already loaded :class:`LoadedModel`.
+        strategy: ``"confadapt"`` (default), ``"static"`` or ``"standard"``.
+        threshold: ConfAdapt tau in [0, 1] (alias ``tau``).
+        k_max: proposals per forward pass (ConfAdapt).
+        k: block size for static k.
+        max_gen_toks: default cap on generated tokens (a task's ``max_gen_toks`` wins).
+        device, dtype, adapter: passed to :func:`load_checkpoint` (``device=None`` -> auto).
+        stats_file: where to write :attr:`stats` as JSON after each ``generate_until`` call.
+        batch_size, max_batch_size: accepted for the harness's CLI; decoding is batch size 1.
+
+    Attributes:
+        stats: ``{"requests", "new_tokens", "forward_passes", "effective_k", "seconds",
+            "tokens_per_second", "strategy"}`` accumulated over all ``generate_until`` requests.
+
+    Raises:
+        ValueError: bad strategy parameters or max_gen_toks; CheckpointError for bad sources.
+    """
+
+    def __init__(
+        self,
+        pretrained: str | LoadedModel = DEFAULT_SOURCE,
+        strategy: str = "confadapt",
+        threshold: float | None = None,
+        tau: float | None = None,
+        k_max: int = 16,
+        k: int = 3,
+        max_gen_toks: int = 256,
+        device: str | None = None,
+        dtype: str = "auto",
+        adapter: bool | str = True,
+        stats_file: str | None = None,
+        batch_size: Any = 1,
+        max_batch_size: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        if kwargs:
+            raise ValueError(f"Unknown model_args for mtp: {', '.join(sorted(kwargs))}.")
+        tau_value = threshold if threshold is not None else (tau if tau is not None else 0.9)
+        self.strategy = make_strategy(str(strategy), tau=float(tau_value), k_max=int(k_max), k=int(k))
+        self.max_gen_toks = check_max_new_tokens(int(max_gen_toks))
+        if isinstance(pretrained, LoadedModel):
+            self.lm = pretrained
+        else:
+            if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
+                device = "cpu"  # the harness passes --device verbatim
+            self.lm = load_checkpoint(str(pretrained), device=device or "auto", dtype=dtype, adapter=_bool(adapter))
+        self._device = self.lm.device
+        self.stats_file = stats_file
+        self.stats: dict[str, Any] = {"strategy": self.strategy.spec, "requests": 0, "new_tokens": 0,
+                                      "forward_passes": 0, "effective_k": 0.0, "seconds": 0.0,
+                                      "tokens_per_second": 0.0}
+        for note in self.lm.warnings:
+            log.warning(note)
+        INSTANCES.append(self)
+
+    # ------------------------------------------------------------------ harness hooks
+    @property
+    def tokenizer_name(self) -> str:
+        """Tokenizer name, for the harness's request cache."""
+        return str(getattr(self.lm.tokenizer, "name_or_path", self.lm.source)).replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The tokenizer's chat template (used by ``--apply_chat_template``)."""
+        return getattr(self.lm.tokenizer, "chat_template", None) or ""
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Format a chat history with the model's chat template (text, not ids)."""
+        return self.lm.tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def _encode(self, text: str) -> list[int]:
+        ids = self.lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+        bos = self.lm.tokenizer.bos_token_id
+        if self.lm.prompt_format == "bos_newlines" and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids
+
+    # ------------------------------------------------------------------ generation
+    def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+        """Greedy generation with the configured MTP strategy, one request at a time.
+
+        Each request's ``args`` is ``(context, gen_kwargs)``; ``gen_kwargs["until"]`` (str or
+        list) cuts the text at the first stop string; ``max_gen_toks`` caps new tokens. Sampling
+        arguments are ignored (decoding is greedy). Updates :attr:`stats` (effective k =
+        generated tokens / forward passes, prefill included).
+        """
+        from tqdm import tqdm
+
+        out: list[str] = []
+        for req in tqdm(requests, disable=disable_tqdm, desc="mtp generate_until"):
+            context, gen_kwargs = req.args[0], dict(req.args[1] if len(req.args) > 1 else {})
+            until = gen_kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
+            if gen_kwargs.get("do_sample") or float(gen_kwargs.get("temperature", 0.0) or 0.0) > 0:
+                log.warning("mtp decodes greedily: ignoring sampling arguments %s", gen_kwargs)
+            ids = self._encode(context)
+            if not ids:
+                ids = [self.lm.tokenizer.bos_token_id or self.lm.stop_token_ids[0]]
+            dec = Decoder(self.lm, ids, self.strategy, max_new)
+            text = ""
+            t0 = time.perf_counter()
+            for rec in dec:
+                text += rec.text
+                if until and any(u in text for u in until):
+                    break
+            res = dec.result()
+            text = res.text
+            for u in until:
+                if u and u in text:
+                    text = text.split(u, 1)[0]
+            self._account(res.new_tokens, res.forward_passes, time.perf_counter() - t0)
+            self.cache_hook.add_partial("generate_until", req.args, text)
+            out.append(text)
+        log.info("mtp %s: %d requests, effective k %.3f (%d tokens / %d forward passes), %.1f tokens/s",
+                 self.strategy.spec, self.stats["requests"], self.stats["effective_k"], self.stats["new_tokens"],
+                 self.stats["forward_passes"], self.stats["tokens_per_second"])
+        self._write_stats()
+        return out
+
+    def _account(self, tokens: int, passes: int, seconds: float) -> None:
+        s = self.stats
+        s["requests"] += 1
+        s["new_tokens"] += tokens
+        s["forward_passes"] += passes
+        s["seconds"] += seconds
+        s["effective_k"] = s["new_tokens"] / s["forward_passes"] if s["forward_passes"] else 0.0
+        s["tokens_per_second"] = s["new_tokens"] / s["seconds"] if s["seconds"] > 0 else 0.0
+
+    def _write_stats(self) -> None:
+        if self.stats_file:
+            p = Path(self.stats_file)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(json.dumps(self.stats, indent=1))
+
+    # ------------------------------------------------------------------ likelihoods
+    @torch.inference_mode()
+    def _logprobs(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+        """Sum of log p(continuation | context) under the base model and whether it is greedy."""
+        ids = torch.tensor([context + continuation], dtype=torch.long, device=self.lm.device)
+        n = len(continuation)
+        with self.lm.base_model() as model:
+            logits = model(input_ids=ids, use_cache=False, logits_to_keep=n + 1).logits[0, :-1].float()
+        logits[:, self.lm.mask_token_id] = float("-inf")
+        logp = torch.log_softmax(logits, dim=-1)
+        target = ids[0, -n:]
+        total = logp.gather(1, target[:, None]).sum().item()
+        greedy = bool((logp.argmax(dim=-1) == target).all().item())
+        return float(total), greedy
+
+    def _prefix_id(self) -> int:
+        tok = self.lm.tokenizer
+        return tok.bos_token_id if tok.bos_token_id is not None else self.lm.stop_token_ids[0]
+
+    def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """``(log p(continuation | context), is_greedy)`` per request, under the base model (adapter off).
+
+        The context and continuation are encoded separately (the continuation keeps its
+        leading space); an empty context is replaced by the BOS (or EOS) token.
+        """
+        out = []
+        for req in requests:
+            context, continuation = req.args[0], req.args[1]
+            ctx = self._encode(context) if context else [self._prefix_id()]
+            cont = self.lm.tokenizer(continuation, add_special_tokens=False)["input_ids"]
+            res = self._logprobs(ctx, cont) if cont else (0.0, True)
+            self.cache_hook.add_partial("loglikelihood", req.args, res)
+            out.append(res)
+        return out
+
+    def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
+        """Full-text log-likelihood per request (rolling windows of the model's context length)."""
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        max_len = int(getattr(self.lm.model.config, "max_position_embeddings", 2048))
+        out = []
+        for req in requests:
+            ids = self.lm.tokenizer(req.args[0], add_special_tokens=False)["input_ids"]
+            total = 0.0
+            for window in get_rolling_token_windows(ids, self._prefix_id(), max_len, 1):
+                ctx, cont = make_disjoint_window(window)
+                total += self._logprobs(list(ctx), list(cont))[0]
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+            out.append(total)
+        return out
+
+
+if __name__ != "__main__":  # `python -m model.lm_eval_mtp` registers the importable copy below instead
+    register_model("mtp")(MTPLM)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m model.lm_eval_mtp ARGS``: lm-eval's CLI (``ARGS`` unchanged) with ``mtp`` registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv = ["lm-eval"] + (list(argv) if argv is not None else sys.argv[1:])
+    try:
+        cli_evaluate()
+    except SystemExit as e:
+        if e.code not in (0, None):
+            return int(e.code) if isinstance(e.code, int) else 2
+    for inst in INSTANCES:
+        s = inst.stats
+        print(f"mtp {s['strategy']}: {s['requests']} requests, {s['new_tokens']} tokens in {s['forward_passes']} "
+              f"forward passes, effective k {s['effective_k']:.3f}, {s['tokens_per_second']:.1f} tokens/s",
+              file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    from model.lm_eval_mtp import main as _main  # registers "mtp" under the module's real name
+
+    sys.exit(_main())
