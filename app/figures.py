@@ -62,8 +62,8 @@ def _confidence_values(rec: PassRecord) -> tuple[list[str], list[float], list[st
 
 def _frame_title(rec: PassRecord, label: str) -> str:
     kept_text = html.escape(repr(rec.text)[1:-1])[:60]
-    return (f"{label} — forward pass {rec.index + 1}: fed {rec.fed_real} real + {rec.fed_masks} mask tokens, "
-            f"kept {len(rec.kept)} ({rec.seconds * 1000:.0f} ms)<br><sub>kept text: “{kept_text}”</sub>")
+    return (f"{label}: forward pass {rec.index + 1}<br><sub>fed {rec.fed_real} real + {rec.fed_masks} mask tokens, "
+            f"kept {len(rec.kept)} in {rec.seconds * 1000:.0f} ms: “{kept_text}”</sub>")
 
 
 def passes_figure(records: Sequence[PassRecord], *, tau: float | None, k_max: int, label: str = "MTP") -> go.Figure:
@@ -81,7 +81,8 @@ def passes_figure(records: Sequence[PassRecord], *, tau: float | None, k_max: in
     """
     fig = make_subplots(
         rows=2, cols=1, vertical_spacing=0.2, row_heights=[0.45, 0.55],
-        subplot_titles=("Block width per forward pass (tokens kept)", "This pass: proposal confidences"),
+        subplot_titles=("Block width per forward pass (tokens kept)",
+                        "This pass: proposal confidences (green = kept, grey = dropped)"),
     )
     n = len(records)
     if n == 0:
@@ -116,12 +117,12 @@ def passes_figure(records: Sequence[PassRecord], *, tau: float | None, k_max: in
     step_args = {"frame": {"duration": 0, "redraw": True}, "mode": "immediate", "transition": {"duration": 0}}
     fig.update_layout(
         title_text=_frame_title(records[last], label),
-        height=560,
+        height=640,
         showlegend=False,
-        margin=dict(l=55, r=20, t=100, b=60),
+        margin=dict(l=55, r=20, t=115, b=150),
         updatemenus=[{
-            "type": "buttons", "direction": "left", "x": 0.0, "y": -0.16, "xanchor": "left", "yanchor": "top",
-            "pad": {"t": 30}, "showactive": False,
+            "type": "buttons", "direction": "left", "x": 0.0, "y": -0.30, "xanchor": "left", "yanchor": "top",
+            "pad": {"t": 20}, "showactive": False,
             "buttons": [
                 {"label": "▶ Play", "method": "animate",
                  "args": [None, {"frame": {"duration": 350, "redraw": True}, "fromcurrent": True,
@@ -130,15 +131,17 @@ def passes_figure(records: Sequence[PassRecord], *, tau: float | None, k_max: in
             ],
         }],
         sliders=[{
-            "active": last, "x": 0.18, "len": 0.82, "y": -0.16, "yanchor": "top", "pad": {"t": 30},
-            "currentvalue": {"prefix": "forward pass ", "visible": True},
+            "active": last, "x": 0.2, "len": 0.8, "y": -0.30, "yanchor": "top", "pad": {"t": 10},
+            "currentvalue": {"prefix": "forward pass ", "visible": True, "font": {"color": "#333"}},
+            # beyond ~30 passes the step labels overlap: hide them, the current value still shows
+            "font": {"color": "#333" if n <= 30 else "rgba(0,0,0,0)"},
             "steps": [{"label": str(i + 1), "method": "animate", "args": [[str(i)], step_args]} for i in range(n)],
         }],
     )
     return fig
 
 
-def animated_html(fig: go.Figure, *, height: int = 600, plotly_js_url: str = PLOTLY_JS_URL) -> str:
+def animated_html(fig: go.Figure, *, height: int = 660, plotly_js_url: str = PLOTLY_JS_URL) -> str:
     """An ``<iframe srcdoc=...>`` holding ``fig`` as a self-contained Plotly page (frames kept).
 
     The page loads plotly.js from ``plotly_js_url`` (served once by the app, cached by the

@@ -197,6 +197,7 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True) ->
 
         tau_line = strategy.tau if strategy.name == "confadapt" else None
         label = strategy.label
+        turn = sum(1 for m in msgs_std if m["role"] == "user")
         t_start = time.perf_counter()
         last_fig = -1e9
         std = mtp = None
@@ -205,7 +206,7 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True) ->
                    msgs_mtp + [{"role": "assistant", "content": ""}],
                    stats_markdown(None, "standard"), stats_markdown(None, label), "", [],
                    figures.animated_html(figures.passes_figure([], tau=tau_line, k_max=strategy.k_max)),
-                   gr.skip(), [], f"Running: standard vs {label} on `{lm.source}`…")
+                   gr.skip(), [], f"Turn {turn}: running standard vs {label} on `{lm.source}`…")
             for std, mtp in run_side_by_side(lm, ids_std, ids_mtp, strategy, n_new):
                 now = time.perf_counter()
                 finished = std.done and mtp.done
@@ -224,7 +225,7 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True) ->
                                                                 label=label)) if redraw else gr.skip(),
                     figures.race_figure([("standard", std.records), (label, mtp.records)]) if redraw else gr.skip(),
                     pass_table(std, mtp) if finished else gr.skip(),
-                    f"Done in {now - t_start:.1f} s wall-clock (both strategies, passes alternating)."
+                    f"Turn {turn}: done in {now - t_start:.1f} s wall-clock (both strategies, passes alternating)."
                     if finished else gr.skip(),
                 )
         except Exception as e:  # noqa: BLE001 - keep serving; show the message

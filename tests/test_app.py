@@ -76,7 +76,7 @@ def test_answers_one_prompt_like_the_engine(served, client):
     out = ask(client, PROMPT)
     std_ref = generate(lm, PROMPT, standard(), N_NEW)
     mtp_ref = generate(lm, PROMPT, confadapt(0.9, 16), N_NEW)
-    assert out["status"].startswith("Done in"), out["status"]
+    assert re.match(r"Turn 1: done in [0-9.]+ s", out["status"]), out["status"]
     assert answer_text(out["chat_std"]) == std_ref.text and std_ref.text.strip()
     assert answer_text(out["chat_mtp"]) == mtp_ref.text
     s, m = counters(out["stats_std"]), counters(out["stats_mtp"])
@@ -100,9 +100,10 @@ def test_answers_one_prompt_like_the_engine(served, client):
 def test_static_k_and_second_turn_use_the_history(served, client):
     _, _, lm = served
     first = ask(client, "Name a colour.", strategy="static k", k_max=4, k=2, max_new_tokens=8)
-    assert first["status"].startswith("Done in"), first["status"]
+    assert first["status"].startswith("Turn 1: done in"), first["status"]
     second = ask(client, "Name another one.", first["chat_std"], first["chat_mtp"], strategy="static k", k_max=4,
                  k=2, max_new_tokens=8)
+    assert second["status"].startswith("Turn 2: done in"), second["status"]
     hist_std = [{"role": "user", "content": "Name a colour."},
                 {"role": "assistant", "content": answer_text(first["chat_std"])},
                 {"role": "user", "content": "Name another one."}]
@@ -158,7 +159,7 @@ def test_app_keeps_serving_after_errors(served, client):
     ask(client, "", max_new_tokens=4)
     client.predict("smollm2-135m", "/no/such/dir", "none", api_name="/load_model")
     out = ask(client, PROMPT, max_new_tokens=6)
-    assert out["status"].startswith("Done in")
+    assert out["status"].startswith("Turn 1: done in")
     assert answer_text(out["chat_std"]) == generate(lm, PROMPT, standard(), 6).text
 
 
