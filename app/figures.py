@@ -131,7 +131,7 @@ def passes_figure(records: Sequence[PassRecord], *, tau: float | None, k_max: in
             ],
         }],
         sliders=[{
-            "active": last, "x": 0.2, "len": 0.8, "y": -0.30, "yanchor": "top", "pad": {"t": 10},
+            "active": last, "x": 0.24, "len": 0.76, "y": -0.30, "yanchor": "top", "pad": {"t": 10},
             "currentvalue": {"prefix": "forward pass ", "visible": True, "font": {"color": "#333"}},
             # beyond ~30 passes the step labels overlap: hide them, the current value still shows
             "font": {"color": "#333" if n <= 30 else "rgba(0,0,0,0)"},

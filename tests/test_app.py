@@ -15,7 +15,7 @@ from model.decoding import confadapt, generate, standard, static_k
 
 pytestmark = pytest.mark.integration
 
-N_NEW = 16
+N_NEW = 12
 PROMPT = "What is 7 times 8? Answer with the number."
 
 

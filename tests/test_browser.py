@@ -82,10 +82,15 @@ def page(browser, served):
     ctx.close()
 
 
-def set_max_new_tokens(pg, n: int) -> None:
-    box = pg.locator("#max-new-tokens input[type=number]")
+def set_number(pg, elem_id: str, n: int) -> None:
+    """Type ``n`` into a slider's number box."""
+    box = pg.locator(f"#{elem_id} input[type=number]")
     box.fill(str(n))
     box.press("Enter")
+
+
+def set_max_new_tokens(pg, n: int) -> None:
+    set_number(pg, "max-new-tokens", n)
 
 
 def send(pg, text: str) -> None:
@@ -162,7 +167,7 @@ def test_four_sessions_at_once_get_their_own_answers(browser, served):
     _, url, lm = served
     prompts = ["What is the capital of France?", "Count from 1 to 5.", "Name a fruit that is yellow.",
                "What is 9 plus 10?"]
-    n_new = 12
+    n_new, k_max = 8, 4
     contexts, pages = [], []
     for prompt in prompts:
         ctx = browser.new_context(viewport={"width": 1200, "height": 900})
@@ -171,6 +176,7 @@ def test_four_sessions_at_once_get_their_own_answers(browser, served):
         pg.goto(url)
         pg.wait_for_selector("#message textarea")
         set_max_new_tokens(pg, n_new)
+        set_number(pg, "k-max", k_max)
         pg.fill("#message textarea", prompt)
         contexts.append(ctx)
         pages.append(pg)
@@ -184,7 +190,7 @@ def test_four_sessions_at_once_get_their_own_answers(browser, served):
                                      ".map(e => e.textContent.trim())")
             assert user_turns == [prompt]
             assert answers(pg, "chat-standard") == [generate(lm, prompt, standard(), n_new).text]
-            assert answers(pg, "chat-mtp") == [generate(lm, prompt, confadapt(0.9, 16), n_new).text]
+            assert answers(pg, "chat-mtp") == [generate(lm, prompt, confadapt(0.9, k_max), n_new).text]
     finally:
         for ctx in contexts:
             ctx.close()
@@ -205,14 +211,14 @@ def test_stop_then_new_prompt_is_correct_and_complete(page, served):
     partial_std, partial_mtp = frozen, answers(page, "chat-mtp")[0]
     assert partial_std.strip() and partial_mtp.strip()
 
-    set_max_new_tokens(page, 16)
+    set_max_new_tokens(page, 10)
     send(page, "What is 2 plus 3?")
     wait_status(page, "Turn 2: done in")
     first = "Write a long story about a dragon who learns to bake bread."
     hist_std = [{"role": "user", "content": first}, {"role": "assistant", "content": partial_std},
                 {"role": "user", "content": "What is 2 plus 3?"}]
     hist_mtp = [hist_std[0], {"role": "assistant", "content": partial_mtp}, hist_std[2]]
-    std_ref, mtp_ref = generate(lm, hist_std, standard(), 16), generate(lm, hist_mtp, confadapt(0.9, 16), 16)
+    std_ref, mtp_ref = generate(lm, hist_std, standard(), 10), generate(lm, hist_mtp, confadapt(0.9, 16), 10)
     assert answers(page, "chat-standard") == [partial_std, std_ref.text]
     assert answers(page, "chat-mtp") == [partial_mtp, mtp_ref.text]
     assert counters(page, "stats-standard")["tokens"] == std_ref.new_tokens
