@@ -20,7 +20,7 @@ from decimal import Decimal, InvalidOperation
 __all__ = ["extract_gold", "extract_answer", "normalize_number", "is_correct"]
 
 # A number: optional sign, optional $, digits with optional thousands commas, optional decimals.
-_NUM = r"-?\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\$?\.\d+"
+_NUM = r"-?\$?\s?\d+(?:,\d+)*(?:\.\d+)?|-?\$?\.\d+"
 _NUM_RE = re.compile(_NUM)
 _MARKERS = re.compile(
     r"(?:####|the\s+(?:final\s+)?answer\s+is\s*:?|final\s+answer\s*:|answer\s*:|\\boxed\{)",

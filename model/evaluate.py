@@ -33,7 +33,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from tqdm import tqdm
@@ -126,7 +126,9 @@ def teacher_nll(lm: LoadedModel, prompt_ids: Sequence[int], answer_ids: Sequence
     """Summed negative log-likelihood (nats) of ``answer_ids`` after ``prompt_ids`` under the teacher.
 
     The teacher is the base model with any MTP adapter off (:meth:`LoadedModel.base_model`).
-    One forward pass over ``[1, P + A]`` tokens; log-softmax in float32.
+    One forward pass over ``[1, P + A]`` tokens; log-softmax in float32 over the vocabulary
+    without the mask token (as the decoder's confidences), so for standard decoding the NLL of
+    each token is ``-log`` of its confidence.
 
     Returns:
         ``(sum_nll, A)``: the summed NLL and the number of answer tokens (``(0.0, 0)`` if none).
@@ -137,6 +139,7 @@ def teacher_nll(lm: LoadedModel, prompt_ids: Sequence[int], answer_ids: Sequence
     n = len(answer_ids)
     with lm.base_model() as model:
         logits = model(input_ids=ids, use_cache=False, logits_to_keep=n + 1).logits[0, :-1].float()
+    logits[:, lm.mask_token_id] = float("-inf")  # as in decoding: the mask token is never a candidate
     logp = torch.log_softmax(logits, dim=-1)
     target = ids[0, -n:]
     nll = -logp.gather(1, target[:, None]).sum().item()
@@ -186,6 +189,7 @@ def evaluate(
     max_new_tokens: int = 256,
     step_by_step: bool = False,
     progress: bool = True,
+    on_problem: Callable[[dict], None] | None = None,
 ) -> dict:
     """Run every strategy on every problem and score them (paper 4.5, Table/Figure "accuracy vs k").
 
@@ -197,6 +201,9 @@ def evaluate(
         max_new_tokens: per answer.
         step_by_step: append "Let's think step by step." to each question.
         progress: show a tqdm bar on stderr.
+        on_problem: called after each problem with the partial report so far (same shape as
+            the return value, ``config["complete"]`` False) — the CLI saves it, so a long run
+            that is stopped early still leaves its results.
 
     Returns:
         ``{"config", "strategies": [summary per strategy], "base_standard": summary or None,
@@ -248,12 +255,24 @@ def evaluate(
             row["results"][s.spec] = rec
             bar.update()
         problem_rows.append(row)
+        if on_problem is not None:
+            on_problem(_report(lm, strategies, per_strategy, base_records, problem_rows, max_new_tokens,
+                               step_by_step, len(problems)))
     bar.close()
+    return _report(lm, strategies, per_strategy, base_records, problem_rows, max_new_tokens, step_by_step,
+                   len(problems))
+
+
+def _report(lm: LoadedModel, strategies: list[Strategy], per_strategy: dict[str, list[dict]],
+            base_records: list[dict], problem_rows: list[dict], max_new_tokens: int, step_by_step: bool,
+            n_requested: int) -> dict:
+    has_adapter = lm.adapter is not None
     return {
         "config": {
             "model": lm.source, "adapter": lm.adapter, "mtp_trained": lm.mtp_trained,
             "prompt_format": lm.prompt_format, "device": str(lm.device), "max_new_tokens": max_new_tokens,
-            "step_by_step": step_by_step, "n_problems": len(problems), "strategies": [s.spec for s in strategies],
+            "step_by_step": step_by_step, "n_problems": len(problem_rows),
+            "n_requested": n_requested, "complete": len(problem_rows) == n_requested, "strategies": [s.spec for s in strategies],
             "teacher": "base model, adapter off" if has_adapter else "the model itself (no adapter)",
             "warnings": list(lm.warnings),
         },
@@ -372,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--no-adapter", action="store_true", help="smollm2-135m without the MTP adapter in assets/")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -384,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         check_max_new_tokens(args.max_new_tokens)
         strategies = parse_strategies(args.strategies)
         problems = load_problems(args.data, args.limit)
+        if args.threads is not None and args.threads < 1:
+            raise ValueError(f"--threads must be ≥ 1, got {args.threads}.")
         if out.suffix.lower() != ".json":
             raise ValueError(f"--out must name a .json file, got {out}.")
         lm = load_checkpoint(args.model, device=args.device, dtype=args.dtype, adapter=not args.no_adapter)
@@ -392,12 +414,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for note in lm.warnings:
         print(f"note: {note}", file=sys.stderr)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+
+    def save(rep: dict) -> None:
+        rep["config"].update(data=str(args.data), wall_seconds=time.perf_counter() - t0,
+                             torch_threads=torch.get_num_threads())
+        tmp = out.with_suffix(".json.partial")
+        tmp.write_text(json.dumps(rep, indent=1, ensure_ascii=False))
+        tmp.replace(out)
+
     report = evaluate(lm, problems, strategies, max_new_tokens=args.max_new_tokens,
-                      step_by_step=args.step_by_step, progress=not args.no_progress)
+                      step_by_step=args.step_by_step, progress=not args.no_progress, on_problem=save)
     report["config"].update(data=str(args.data), wall_seconds=time.perf_counter() - t0,
                             torch_threads=torch.get_num_threads())
-    out.parent.mkdir(parents=True, exist_ok=True)
     fig_paths = write_figure(report, out)
     report["figure"] = fig_paths
     out.write_text(json.dumps(report, indent=1, ensure_ascii=False))

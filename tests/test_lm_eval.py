@@ -1,0 +1,139 @@
+"""The lm-eval-harness model ``mtp``: generate_until with our decoding, on a local task (no Hub data)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from lm_eval.api.instance import Instance
+
+from model.decoding import Decoder, confadapt, standard
+from model.evaluate import teacher_nll
+from model.lm_eval_mtp import MTPLM
+
+ROOT = Path(__file__).resolve().parent.parent
+TASK_DIR = ROOT / "tests" / "data"
+
+
+def _gen_request(context: str, **gen_kwargs) -> Instance:
+    return Instance(request_type="generate_until", doc={}, arguments=(context, gen_kwargs), idx=0)
+
+
+def test_registered_as_mtp():
+    from lm_eval.api.registry import get_model
+
+    assert get_model("mtp") is MTPLM
+
+
+def test_generate_until_matches_decoder_and_cuts_at_stop(tiny_lm):
+    lm_eval_model = MTPLM(tiny_lm, strategy="standard", max_gen_toks=10)
+    ctx = "Question: what is 2 + 3?\nAnswer:"
+    ref = Decoder(tiny_lm, tiny_lm.tokenizer(ctx, add_special_tokens=False)["input_ids"], standard(), 10)
+    for _ in ref:
+        pass
+    full = ref.result().text
+    assert lm_eval_model.generate_until([_gen_request(ctx, until=[])], disable_tqdm=True) == [full]
+    # a stop string taken from the real output cuts the text before it
+    stop = full[len(full) // 2:][:3]
+    assert stop
+    [cut] = lm_eval_model.generate_until([_gen_request(ctx, until=[stop])], disable_tqdm=True)
+    assert cut == full.split(stop, 1)[0]
+    # max_gen_toks from the task wins over the model's default
+    [short] = lm_eval_model.generate_until([_gen_request(ctx, until=[], max_gen_toks=3)], disable_tqdm=True)
+    assert full.startswith(short) and len(short) < len(full)
+    s = lm_eval_model.stats
+    assert s["requests"] == 3 and s["effective_k"] == 1.0 and s["strategy"] == "standard"
+
+
+def test_confadapt_stats_report_effective_k(tiny_lm, tmp_path):
+    stats_file = tmp_path / "stats.json"
+    m = MTPLM(tiny_lm, strategy="confadapt", threshold=0.0, k_max=4, max_gen_toks=8, stats_file=str(stats_file))
+    assert m.strategy == confadapt(0.0, 4)
+    m.generate_until([_gen_request("Hello there", until=[]), _gen_request("One two three", until=[])],
+                     disable_tqdm=True)
+    s = json.loads(stats_file.read_text())
+    assert s["requests"] == 2 and s["new_tokens"] <= 16
+    assert s["effective_k"] == pytest.approx(s["new_tokens"] / s["forward_passes"])
+    assert s["effective_k"] > 1.0  # tau = 0 keeps every proposal
+
+
+def test_loglikelihood_under_base_model(tiny_lm64):
+    m = MTPLM(tiny_lm64, strategy="standard")
+    tok = tiny_lm64.tokenizer
+    ctx, cont = "The cat sat on the", " mat"
+    [(ll, greedy)] = m.loglikelihood([Instance("loglikelihood", {}, (ctx, cont), 0)])
+    nll, n = teacher_nll(tiny_lm64, tok(ctx, add_special_tokens=False)["input_ids"],
+                         tok(cont, add_special_tokens=False)["input_ids"])
+    assert ll == pytest.approx(-nll, rel=1e-9) and ll < 0 and isinstance(greedy, bool)
+    # the greedy continuation is reported as greedy
+    ids = tok(ctx, add_special_tokens=False)["input_ids"]
+    dec = Decoder(tiny_lm64, ids, standard(), 2)
+    for _ in dec:
+        pass
+    ll_g, greedy_g = m._logprobs(ids, dec.generated)
+    assert greedy_g and ll_g == pytest.approx(sum(math.log(p.confidences[0]) for p in dec.passes), abs=1e-6)
+    [rolling] = m.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("The cat sat.",), 0)])
+    assert rolling < 0
+
+
+def test_bad_model_args():
+    with pytest.raises(ValueError, match="tau"):
+        MTPLM.create_from_arg_string("pretrained=smollm2-135m,threshold=1.5")
+    with pytest.raises(ValueError, match="Unknown model_args"):
+        MTPLM.create_from_arg_string("pretrained=smollm2-135m,bogus=1")
+
+
+def test_simple_evaluate_on_local_task_tiny_model(tiny_lm):
+    """The harness end to end (task loading, filters, metric) on the local task with a tiny model."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    m = MTPLM(tiny_lm, strategy="confadapt", threshold=0.5, k_max=4, max_gen_toks=8)
+    out = lm_eval.simple_evaluate(model=m, tasks=["gsm8k_mini"], task_manager=TaskManager(include_path=str(TASK_DIR)),
+                                  limit=2, log_samples=True)
+    res = out["results"]["gsm8k_mini"]
+    assert res["exact_match,flexible-extract"] in (0.0, 0.5, 1.0)
+    assert m.stats["requests"] == 2 and m.stats["effective_k"] >= 1.0
+    samples = out["samples"]["gsm8k_mini"]
+    assert [s["target"] for s in samples] == ["5", "12"]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_cli_lm_eval_mtp_on_local_task_default_model(tmp_path, smollm2):
+    """``python -m model.lm_eval_mtp --model mtp ...`` with the real SmolLM2 on tests/data/gsm8k_mini."""
+    stats = tmp_path / "stats.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "model.lm_eval_mtp", "--model", "mtp",
+           "--model_args", f"pretrained=smollm2-135m,threshold=0.9,k_max=16,max_gen_toks=24,stats_file={stats}",
+           "--tasks", "gsm8k_mini", "--include_path", str(TASK_DIR), "--limit", "3",
+           "--output_path", str(tmp_path / "out"), "--log_samples"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "gsm8k_mini" in proc.stdout and "exact_match" in proc.stdout
+    assert "effective k" in proc.stderr
+    s = json.loads(stats.read_text())
+    assert s["requests"] == 3 and s["strategy"] == "confadapt:0.9:16" and s["effective_k"] >= 1.0
+    [results_file] = list((tmp_path / "out").rglob("results_*.json"))
+    acc = json.loads(results_file.read_text())["results"]["gsm8k_mini"]["exact_match,flexible-extract"]
+    [samples_file] = list((tmp_path / "out").rglob("samples_gsm8k_mini_*.jsonl"))
+    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    assert len(samples) == 3 and acc == pytest.approx(sum(x["exact_match"] for x in samples) / 3)
+    sample = samples[0]
+    # the harness's answer for the first problem is our ConfAdapt decoding of the same context, cut at a stop string
+    ctx = sample["arguments"]["gen_args_0"]["arg_0"]
+    dec = Decoder(smollm2, smollm2.tokenizer(ctx, add_special_tokens=False)["input_ids"], confadapt(0.9, 16), 24)
+    text = ""
+    for rec in dec:
+        text += rec.text
+        if any(u in text for u in ("Question:", "\n\n", "<|im_end|>")):
+            break
+    text = dec.result().text
+    for u in ("Question:", "\n\n", "<|im_end|>"):
+        text = text.split(u, 1)[0]
+    assert sample["resps"][0][0] == text
