@@ -71,8 +71,13 @@ def _dtype_of(model: Any) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
+def _up(x: torch.Tensor) -> torch.Tensor:
+    """At least float32 (float64 stays float64)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def _suppress(logits: torch.Tensor, mask_token_id: int) -> torch.Tensor:
-    out = logits.float().clone()
+    out = _up(logits).clone()
     if mask_token_id < out.shape[-1]:
         out[..., mask_token_id] = float("-inf")
     return out
@@ -131,7 +136,7 @@ def _labels_and_loss(
     t = _suppress(t_logits, mask_token_id)
     labels = t.argmax(-1)
     labels = torch.where(after_eos, torch.full_like(labels, eos_token_id), labels)
-    s = s_logits.float()
+    s = _up(s_logits)
     if not bool(use.any()):
         return labels, s.sum() * 0.0
     if soft_teacher:

@@ -11,7 +11,7 @@ from model.checkpoint import wrap_model
 from model.layout import Region, build_layout, place_regions
 from model.objective import mtp_objective, student_logits, teacher_input_ids
 
-from conftest import make_tiny
+from tests.conftest import make_tiny
 
 
 def _batch(tok):

@@ -1,0 +1,145 @@
+"""Training data for MTP self-distillation: prompt/response rows -> ground-truth token sequences.
+
+Accepted inputs (``--data``):
+
+* a JSONL file whose rows have ``question`` + ``answer`` (GSM8K) or ``prompt`` + ``response``;
+  rows with only ``question`` / ``prompt`` are accepted when the responses are to be generated
+  by the base model itself (``--self-distill-answers``);
+* a Hugging Face ``datasets`` id (``owner/name``, optionally ``owner/name:config``) with the
+  same columns (needs the Hub or a local datasets cache).
+
+Bad rows stop the run before any training step with ``file:line: reason``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+FIELD_PAIRS = (("question", "answer"), ("prompt", "response"))
+
+
+class DataError(ValueError):
+    """Unusable training data; the message names the file, the line and the reason."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """One training example: a user prompt and the response to learn (None: to be generated)."""
+
+    prompt: str
+    response: str | None
+    where: str = ""
+
+
+def _row_example(row: Any, where: str, need_response: bool) -> Example:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}.")
+    for pkey, rkey in FIELD_PAIRS:
+        if pkey in row:
+            prompt = row[pkey]
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise DataError(f"{where}: field {pkey!r} must be a non-empty string.")
+            resp = row.get(rkey)
+            if resp is None:
+                if need_response:
+                    raise DataError(f"{where}: missing field {rkey!r} (rows need {pkey}/{rkey}; rows with only "
+                                    f"{pkey!r} need --self-distill-answers).")
+                return Example(prompt, None, where)
+            if not isinstance(resp, str) or not resp.strip():
+                raise DataError(f"{where}: field {rkey!r} must be a non-empty string.")
+            return Example(prompt, resp, where)
+    raise DataError(f"{where}: missing field 'question' or 'prompt' (rows need question/answer or "
+                    f"prompt/response); found keys {sorted(row)[:8]}.")
+
+
+def read_jsonl(path: str | Path, *, need_response: bool = True, limit: int | None = None) -> list[Example]:
+    """Read and validate a JSONL file of examples.
+
+    Raises:
+        DataError: missing or empty file, a line that is not JSON, a row without the fields.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{p}: no such data file.")
+    out: list[Example] = []
+    with p.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{p}:{n}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}).") from None
+            out.append(_row_example(row, where, need_response))
+            if limit is not None and len(out) >= limit:
+                break
+    if not out:
+        raise DataError(f"{p}: no examples (the file is empty).")
+    return out
+
+
+def load_examples(spec: str, *, need_response: bool = True, split: str = "train",
+                  limit: int | None = None) -> list[Example]:
+    """Examples from a JSONL path or a ``datasets`` id (``owner/name[:config]``).
+
+    Raises:
+        DataError: as :func:`read_jsonl`; a dataset that cannot be loaded or lacks the columns.
+    """
+    if os.path.exists(spec) or spec.endswith((".jsonl", ".json")):
+        return read_jsonl(spec, need_response=need_response, limit=limit)
+    import datasets
+
+    name, _, config = spec.partition(":")
+    try:
+        ds = datasets.load_dataset(name, config or None, split=split)
+    except Exception as e:  # noqa: BLE001 - datasets raises many kinds
+        raise DataError(f"{spec}: not a file and not a loadable dataset ({type(e).__name__}: {e}).") from None
+    out = []
+    for i, row in enumerate(ds):
+        out.append(_row_example(dict(row), f"{spec}[{split}]:{i}", need_response))
+        if limit is not None and len(out) >= limit:
+            break
+    if not out:
+        raise DataError(f"{spec}: no examples in split {split!r}.")
+    return out
+
+
+def write_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
+    """Write rows as JSONL (UTF-8)."""
+    with Path(path).open("w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+def encode(lm: Any, examples: Sequence[Example], seq_len: int) -> tuple[list[list[int]], list[int], int]:
+    """Ground-truth sequences: ``lm.prompt_ids(prompt)`` + response tokens + EOS, cut at ``seq_len``.
+
+    Returns:
+        ``(sequences, response_starts, dropped)``: rows whose prompt leaves no room for a response
+        token within ``seq_len`` are dropped (counted).
+
+    Raises:
+        DataError: an example without a response; every example dropped.
+    """
+    tok = lm.tokenizer
+    eos = tok.eos_token_id
+    seqs, starts, dropped = [], [], 0
+    for ex in examples:
+        if ex.response is None:
+            raise DataError(f"{ex.where}: no response to train on (generate them with --self-distill-answers).")
+        p = lm.prompt_ids(ex.prompt)
+        r = tok(ex.response, add_special_tokens=False)["input_ids"] + [eos]
+        seq = (p + r)[:seq_len]
+        if len(p) >= len(seq):
+            dropped += 1
+            continue
+        seqs.append(seq)
+        starts.append(len(p))
+    if not seqs:
+        raise DataError(f"Every example's prompt fills --seq-len {seq_len}: raise --seq-len.")
+    return seqs, starts, dropped

@@ -1,0 +1,198 @@
+"""The trainer (paper 3.3): learning, DDP, resume, export, bad data. CPU, tiny random models over the
+real SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from model.checkpoint import load_checkpoint, wrap_model
+from model.decoding import Decoder, confadapt
+from model.train import TrainConfig, export_model, load_for_training, main, train
+from model.train_data import Example, encode
+from tests.conftest import ROOT, make_tiny
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, base_tokenizer):
+    """A local HF model directory: a tiny random Llama + the real SmolLM2 tokenizer (mask token included),
+    and a small GSM8K-style JSONL file."""
+    d = tmp_path_factory.mktemp("tiny")
+    tok = copy.deepcopy(base_tokenizer)
+    model = make_tiny(tok)
+    model.save_pretrained(str(d / "model"))
+    tok.save_pretrained(str(d / "model"))
+    with (d / "data.jsonl").open("w") as f:
+        for i in range(24):
+            f.write(json.dumps({"question": f"What is {i} plus {i + 1}?",
+                                "answer": f"{i} plus {i + 1} is {2 * i + 1}.\n#### {2 * i + 1}"}) + "\n")
+    return d
+
+
+def _args(tiny_dir, out, *extra):
+    return ["--base", str(tiny_dir / "model"), "--data", str(tiny_dir / "data.jsonl"), "--output", str(out),
+            "--batch-size", "2", "--k-max", "4", "--seq-len", "48", "--lr", "1e-3", "--warmup", "1",
+            *map(str, extra)]
+
+
+# ----------------------------------------------------------------------------- bad data
+@pytest.mark.parametrize("content,line,reason", [
+    ('{"question": "a?", "answer": "b"}\n{"question": "c?"}\n', 2, "missing field 'answer'"),
+    ('{"question": "a?", "answer": "b"}\n{"text": "c"}\n', 2, "missing field 'question' or 'prompt'"),
+    ("", None, "no examples (the file is empty)"),
+    ('{"question": "a?", "answer": "b"}\n\n{"question": "c?", answer: 1}\n', 3, "not valid JSON"),
+    ('["question", "answer"]\n', 1, "expected a JSON object"),
+])
+def test_bad_data_stops_before_training(tiny_dir, tmp_path, capsys, content, line, reason):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(content)
+    out = tmp_path / "run"
+    code = main(["--base", str(tiny_dir / "model"), "--data", str(bad), "--output", str(out), "--max-steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    where = f"{bad}:{line}:" if line else f"{bad}:"
+    assert where in err and reason in err, err
+    assert not (out / "train_log.jsonl").exists()  # no training step ran
+
+
+def test_bad_options_are_rejected(tiny_dir, tmp_path, capsys):
+    assert main(_args(tiny_dir, tmp_path / "r", "--k-max", "1")) == 2
+    assert "--k-max must be in [2, 64]" in capsys.readouterr().err
+    assert main(_args(tiny_dir, tmp_path / "r", "--adapter", "alora", "--lora-rank", "0")) == 2
+    assert "needs --lora-rank" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- learning
+def test_mtp_training_raises_teacher_agreement(base_tokenizer, tmp_path):
+    """A tiny Llama pre-trained (next-token) for 60 steps on a repetitive corpus, then 40 MTP steps
+    (LoRA r=8 + mask row, lr 1e-2, k in [2, 4], batch 4): agreement at mask positions goes from its
+    first-step value (0.19 when written) to > 0.9 (mean of the last 5 steps; 0.96 when written).
+    About 40 s on 2 idle CPU cores."""
+    tok = copy.deepcopy(base_tokenizer)
+    words = ["red", "green", "blue", "black", "white"]
+    examples = [Example(f"Say {w}", " ".join([w] * 14)) for w in words]
+    model = make_tiny(tok)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.div_(20.0)  # ordinary init scale for training
+    lm = wrap_model(model, tok, prompt_format="bos_newlines")
+    seqs, _, _ = encode(lm, examples, 64)
+    x = torch.tensor(seqs)
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(60):
+        b = x[torch.randint(0, len(seqs), (4,), generator=g)]
+        loss = model(input_ids=b, labels=b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert loss.item() < 0.5  # the teacher knows the corpus
+    model.eval()
+    cfg = TrainConfig(base="tiny", data="in-memory", output=str(tmp_path / "run"), adapter="lora", lora_rank=8,
+                      max_steps=40, batch_size=4, seq_len=64, k_max=4, spacing=4, num_regions=4, lr=1e-2, warmup=0,
+                      weight_decay=0.0, save_every=1000, seed=0)
+    train(cfg, lm=lm, examples=examples)
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert len(log) == 40
+    start = log[0]["agreement_mask"]
+    end = sum(r["agreement_mask"] for r in log[-5:]) / 5
+    assert start < 0.6 and end > 0.9, (start, end)
+    for key in ("loss", "confidence", "agreement", "k", "seqs_per_s"):
+        assert key in log[0]
+    assert {r["k"] for r in log} <= {2, 3, 4} and len({r["k"] for r in log}) > 1
+    assert log[-1]["confidence_mask"] > log[0]["confidence_mask"]
+
+
+# ----------------------------------------------------------------------------- DDP
+def test_ddp_two_processes_identical_weights(tiny_dir, tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2` on a CPU-only machine runs gloo DDP
+    (the trainer sets cpu=True without CUDA); after 3 LoRA steps both ranks hold identical weights."""
+    out = tmp_path / "ddp"
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
+           "-m", "model.train", *_args(tiny_dir, out, "--max-steps", "3", "--debug-dump-params")]
+    if torch.cuda.is_available():
+        pytest.skip("this check is for CPU-only machines")
+    r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d0 = json.loads((out / "params_rank0.json").read_text())
+    d1 = json.loads((out / "params_rank1.json").read_text())
+    assert d0["step"] == d1["step"] == 3 and d0["sha256"] == d1["sha256"]
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3] and log[0]["sequences"] == 4  # 2 per process x 2
+    assert {p.name for p in (out / "checkpoint-3").iterdir()} >= {"random_states_0.pkl", "random_states_1.pkl"}
+    # The exported adapter loads with the engine's loader and decodes with ConfAdapt.
+    lm = load_checkpoint(str(out / "final"), device="cpu")
+    assert lm.adapter == "lora" and lm.mtp_trained
+    dec = Decoder(lm, lm.prompt_ids("What is 2 plus 3?"), confadapt(0.5, 4), max_new_tokens=8)
+    recs = list(dec)
+    assert recs[0].fed_masks == 3 and 1 <= dec.result().new_tokens <= 8
+    assert (out / "final" / "adapter_model.safetensors").stat().st_size < 2_000_000
+
+
+# ----------------------------------------------------------------------------- resume
+def test_kill_and_resume_equals_uninterrupted(tiny_dir, tmp_path):
+    """Full fine-tune, 4 steps: killed (SIGKILL) right after the step-2 checkpoint and resumed ==
+    uninterrupted, bit for bit (weights, optimizer state, log)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    base = ["--lora-rank", "0", "--max-steps", "4", "--save-every", "2", "--keep-checkpoints", "3"]
+    assert main(_args(tiny_dir, a, *base)) == 0
+    r = subprocess.run([sys.executable, "-m", "model.train", *_args(tiny_dir, b, *base, "--debug-crash-after-step", "2")],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == -9, r.stderr[-2000:]
+    assert (b / "checkpoint-2").is_dir() and not (b / "checkpoint-3").exists() and not (b / "final").exists()
+    assert main(_args(tiny_dir, b, *base, "--resume", "auto")) == 0
+    wa, wb = load_file(str(a / "checkpoint-4" / "model.safetensors")), load_file(str(b / "checkpoint-4" / "model.safetensors"))
+    w2 = load_file(str(b / "checkpoint-2" / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert not all(torch.equal(wa[k], w2[k]) for k in wa)  # steps 3-4 did change the weights
+    oa = torch.load(a / "checkpoint-4" / "optimizer.bin", weights_only=False)["state"]
+    ob = torch.load(b / "checkpoint-4" / "optimizer.bin", weights_only=False)["state"]
+    assert all(torch.equal(oa[i]["exp_avg"], ob[i]["exp_avg"]) for i in oa)
+    la = [json.loads(x) for x in (a / "train_log.jsonl").read_text().splitlines()]
+    lb = [json.loads(x) for x in (b / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lb] == [1, 2, 3, 4]
+    assert [(r["loss"], r["k"], r["offset"]) for r in la] == [(r["loss"], r["k"], r["offset"]) for r in lb]
+    # The full-model export is a model directory the engine loads (tokenizer with the mask token).
+    lm = load_checkpoint(str(a / "final"), device="cpu")
+    assert lm.mtp_trained and lm.adapter is None
+    assert lm.model.model.embed_tokens.weight.dtype == torch.float32  # loaded in float32 on CPU
+    dec = Decoder(lm, lm.prompt_ids("What is 1 plus 2?"), confadapt(0.5, 4), max_new_tokens=6)
+    assert 1 <= len(list(dec)) <= 6
+
+
+def test_lora_export_reloads_exactly(tiny_dir, tmp_path):
+    """An adapter export (float32 here) reloads through load_checkpoint with identical logits,
+    masks included (adapter + trained mask row)."""
+    cfg = TrainConfig(base=str(tiny_dir / "model"), data="x", output=str(tmp_path), lora_rank=4, save_dtype="float32")
+    setup = load_for_training(cfg, torch.device("cpu"))
+    lm = setup.lm
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for n, p in setup.student.named_parameters():
+            if p.requires_grad:  # stand-in for training: move every trainable weight
+                p.add_(torch.randn_like(p) * 0.5)
+    setup.student.eval()
+    out = export_model(cfg, lm, setup.student, tmp_path / "final")
+    meta = json.loads((out / "mtp_adapter.json").read_text())
+    assert meta["adapter"] == "lora" and meta["base"] == str((tiny_dir / "model").resolve())
+    back = load_checkpoint(str(out), device="cpu")
+    ids = torch.tensor([lm.prompt_ids("Hello there") + [lm.mask_token_id] * 3])
+    with torch.no_grad():
+        want = setup.student(input_ids=ids).logits
+        got = back.model(input_ids=ids).logits
+        base = back.model.get_base_model()
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    rows = load_file(str(out / "mask_rows.safetensors"))["embed"]
+    assert torch.allclose(base.get_input_embeddings().weight[lm.mask_token_id], rows[0])
