@@ -3,8 +3,8 @@
 The flexible extractor follows lm-eval-harness's GSM8K "flexible-extract" idea (the last number in
 the text) with a few safer rules for chatty instruct models:
 
-1. an explicit final marker wins: the first number after the *last* ``####``, "The answer is",
-   "Answer:" or ``\\boxed{...}``;
+1. an explicit final marker wins: the last number of the sentence (up to ". ", a newline or "}")
+   that follows the *last* ``####``, "The answer is", "Answer:" or ``\\boxed{``;
 2. otherwise the last number anywhere in the text.
 
 Numbers are normalised before comparison: dollar signs, thousands commas and trailing periods
@@ -26,6 +26,7 @@ _MARKERS = re.compile(
     r"(?:####|the\s+(?:final\s+)?answer\s+is\s*:?|final\s+answer\s*:|answer\s*:|\\boxed\{)",
     re.IGNORECASE,
 )
+_SENTENCE_END = re.compile(r"\.(?:\s|$)|\n|\}")
 
 
 def normalize_number(text: str) -> str | None:
@@ -68,13 +69,16 @@ def extract_answer(text: str) -> str | None:
         text: the generated answer.
 
     Returns:
-        The first number after the last answer marker ("####", "The answer is", "Answer:",
-        "\\boxed{"), else the last number in the text; None when the text holds no number.
+        The last number in the sentence after the last answer marker ("####", "The answer is",
+        "Answer:", "\\boxed{"), else the last number in the text; None when the text holds no
+        number.
     """
     markers = list(_MARKERS.finditer(text))
     if markers:
-        m = _NUM_RE.search(text, markers[-1].end())
-        if m:
+        start = markers[-1].end()
+        end = _SENTENCE_END.search(text, start)
+        # the marker's sentence: its last number ("The answer is 24 * 5 = 120 minutes." -> 120)
+        for m in reversed(list(_NUM_RE.finditer(text, start, end.start() if end else len(text)))):
             value = normalize_number(m.group(0))
             if value is not None:
                 return value

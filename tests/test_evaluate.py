@@ -19,32 +19,33 @@ from model.evaluate import (
 from tests.conftest import gsm8k_path
 
 # --------------------------------------------------------------------------- extractor
-# Outputs of SmolLM2-135M-Instruct (greedy, chat format) on GSM8K test questions, cut to their
-# last lines, with the number a reader would take as the model's answer.
+# Outputs of SmolLM2-135M-Instruct (greedy, chat format, GSM8K test questions 1-10; tails kept),
+# with the number a reader takes as the model's final answer.
 REAL_OUTPUTS = [
-    # trailing unit after the number
-    ("So, Janet makes 18 dollars every day at the farmers' market.", "18"),
-    # dollar sign and thousands comma
-    ("Therefore, Josh made a profit of $70,000.", "70000"),
-    # "The answer is" beats a later number
-    ("The answer is 3 bolts. That is 2 + 1 = 3 in 1 robe.", "3"),
-    # decimals that are integral, trailing period
-    ("James runs 3 sprints of 60 meters 3 times a week, so he runs a total of 540.00 meters.", "540"),
-    # "Answer:" marker
-    ("Total cups = 15 + 25 = 40\nAnswer: 20 cups", "20"),
-    # GSM8K-style marker
-    ("Each day she makes 9 * 2 = 18.\n#### 18", "18"),
-    # a number in a formula, the result last
-    ("Janet’s ducks lay 16 eggs per day, which is equivalent to 16 * 3 = 48", "48"),
-    # cut off in the middle of a price: the last number is the partial one
-    ("To find the profit, we need to calculate the difference between the original price of the house ($80,00",
-     "8000"),
+    # cut off by max_new_tokens: the last number written
+    ("She earns 624 * 4 = 2480 dollars per day.\n\nTo find out how many dollars she makes per day, we can "
+     "divide the total amount of money she earns by the number of days she sells the remaining eggs. So, "
+     "2480 / 4 = 624.\n\nTherefore, Janet makes", "624"),
+    # trailing unit
+    ("The robe takes 2 * 4 = 8 bolts of blue fiber.\n\nSo, the total number of bolts in the robe is "
+     "8 + 4 = 12 bolts.", "12"),
+    # dollar signs and thousands commas, trailing period
+    ("The total profit is the original price minus the 150% increase, which is $80,000 - $150 = $65,000.", "65000"),
+    # cut off inside a number: read as lm-eval's flexible extraction reads it
+    ("The total profit is $65,000 - $80,000 = $10,00", "1000"),
+    # GSM8K marker and "The answer is:"
+    ("So, 60 * 3 = 180 meters.\nTherefore, James runs 180 meters a week.\n#### 180\nThe answer is: 180", "180"),
+    # "The answer is" beats the later numbers ("4 hours"); its sentence's result counts
+    ("The answer is 24 hours * 60 minutes / 1 hour = 120 minutes.\n\nSo, John spends 120 minutes driving at a "
+     "speed of 30mph, which is 120 minutes of his original 4 hours.", "120"),
+    # a percent sign after the number
+    ("So, the answer is 120% of the price of a single glass is 120", "120"),
+    # number words are not numbers
+    ("20 * 3 = 60 chickens are fed three times.\nSo, 20 * 3 = 60 chickens are fed three times.\n\n"
+     "Now, we can calculate the", "60"),
     # no number at all
-    ("To solve this problem, we need to calculate the total amount of fiber required to create the robe.", None),
-    # negative number
-    ("The temperature changed by -5 degrees.", "-5"),
-    # decimal answer
-    ("So each person pays $12.50.", "12.5"),
+    ("To solve this problem, we need to calculate the total amount of fiber required to create the robe. "
+     "Since the robe is", None),
 ]
 
 
@@ -60,6 +61,10 @@ def test_gold_and_normalisation():
     assert normalize_number("12.00") == "12"
     assert normalize_number("abc") is None
     assert is_correct("18", "18.0") and not is_correct(None, "18") and not is_correct("17", "18")
+    # constructed edge cases (not model outputs): sign, decimals, \\boxed
+    assert extract_answer("The temperature changed by -5 degrees.") == "-5"
+    assert extract_answer("So each person pays $12.50.") == "12.5"
+    assert extract_answer("Final: \\boxed{42} after 3 steps") == "42"
     with pytest.raises(ValueError, match="####"):
         extract_gold("the answer is 4")
     with pytest.raises(ValueError, match="No number"):
@@ -249,3 +254,36 @@ def test_cli_five_gsm8k_problems_default_model(tmp_path, capsys):
     assert Path(rep["figure"]["html"]).is_file()
     assert rep["figure"]["png"] is None or Path(rep["figure"]["png"]).is_file()
     assert "static k=2" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- bench (tiny model)
+def test_bench_on_tiny_model(tiny_lm):
+    from model.bench import HF, bench, format_table, weight_bytes
+
+    rep = bench(tiny_lm, ["What is 2 + 3?", "Name a colour."], "standard,static:2,confadapt:0.0:4",
+                repeats=2, max_new_tokens=6)
+    methods = [r["method"] for r in rep["methods"]]
+    assert methods == [HF, "standard", "static:2", "confadapt:0:4"]
+    assert rep["standard_matches_hf"] is True  # our k=1 loop reproduces HF greedy exactly
+    by = {r["method"]: r for r in rep["methods"]}
+    assert by[HF]["ratio_to_hf"] == 1.0
+    for r in rep["methods"]:
+        assert len(r["runs"]) == 2 and r["tokens_per_second"] > 0
+        assert r["ratio_to_hf"] == pytest.approx(r["tokens_per_second"] / by[HF]["tokens_per_second"])
+    assert by["static:2"]["effective_k"] == 2.0 and by["standard"]["effective_k"] == 1.0
+    assert by["confadapt:0:4"]["effective_k"] > 1.0  # tau = 0 keeps every proposal
+    # tied embeddings are counted once
+    n = sum(p.numel() for p in tiny_lm.model.parameters())  # parameters() yields a tied tensor once
+    assert weight_bytes(tiny_lm.model) == 4 * n
+    assert rep["memory_bandwidth"] is None  # CPU: no bandwidth line
+    assert "x HF" in format_table(rep)
+
+
+def test_bench_cli_bad_input(capsys):
+    from model.bench import main as bench_main
+
+    assert bench_main(["--repeats", "0"]) == 2
+    assert bench_main(["--strategies", "fast"]) == 2
+    assert bench_main(["--max-new-tokens", "-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("error: ") for line in err)
