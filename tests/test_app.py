@@ -172,3 +172,29 @@ def test_model_info_shows_the_untrained_warning(served):
     for w in lm.warnings:  # e.g. "not MTP-trained" while assets/ has no trained adapter
         assert w in md
     assert ("not MTP-trained" in md) == (not lm.mtp_trained)
+
+
+def test_figures_draw_the_pass_records(served):
+    from app import figures
+
+    _, _, lm = served
+    res = generate(lm, PROMPT, confadapt(0.5, 4), 8)
+    fig = figures.passes_figure(res.passes, tau=0.5, k_max=4, label="ConfAdapt")
+    assert len(fig["frames"]) == res.forward_passes
+    for rec, frame in zip(res.passes, fig["frames"]):
+        widths, confs = frame["data"]
+        assert widths["y"] == [len(p.kept) for p in res.passes[: rec.index + 1]]
+        assert confs["y"] == rec.confidences and len(confs["x"]) == 4
+        assert confs["marker"]["color"].count(figures.KEPT) == len(rec.kept)
+    assert [s["y0"] for s in fig["layout"]["shapes"]] == [0.5]  # the tau line
+    assert fig["layout"]["sliders"][0]["active"] == res.forward_passes - 1
+    html_ = figures.animated_html(fig)
+    assert html_.startswith("<iframe") and f'data-frames="{res.forward_passes}"' in html_
+    assert "plotly.min.js" in html_ and len(html_) < 200_000  # plotly.js is loaded, not inlined
+
+    race = figures.race_figure([("standard", res.passes), ("mtp", res.passes)])
+    assert race.data[0].y[-1] == res.new_tokens
+    assert race.data[0].x[-1] == pytest.approx(res.seconds)
+    spans = figures.coloured_blocks(res.passes)
+    assert "".join(t for t, _ in spans) == res.text
+    assert [int(w) for _, w in spans] == [len(p.kept) for p in res.passes if p.text]
