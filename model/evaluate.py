@@ -45,6 +45,7 @@ from .decoding import Decoder, GenerationResult, Strategy, check_max_new_tokens,
 STEP_BY_STEP = "Let's think step by step."
 DEFAULT_STRATEGIES = "standard,static:2,static:3,static:4,confadapt:0.95,confadapt:0.9,confadapt:0.8,confadapt:0.7"
 CHROMIUM = "/usr/bin/chromium"
+OUT_DEFAULT = "runs/eval/eval.json"
 
 
 # --------------------------------------------------------------------------- data
@@ -299,6 +300,34 @@ def _record(lm: LoadedModel, prompt_ids: list[int], res: GenerationResult, gold:
     }
 
 
+def rescore(report: dict) -> dict:
+    """Re-extract every saved answer with the current extractor and recompute the summaries.
+
+    Generation-dependent fields (texts, passes, seconds, NLL, text agreement) are kept; the
+    ``extracted``, ``correct`` and ``same_answer_as_standard`` fields and the accuracies are
+    recomputed. Modifies and returns ``report`` (a dict written by :func:`main`).
+
+    Raises:
+        ValueError: the dict is not an evaluation report.
+    """
+    if not isinstance(report, dict) or "problems" not in report or "strategies" not in report:
+        raise ValueError("Not an evaluation report (needs 'problems' and 'strategies').")
+    for row in report["problems"]:
+        std = row["results"].get("standard")
+        for rec in list(row["results"].values()) + ([row["base_standard"]] if row.get("base_standard") else []):
+            rec["extracted"] = extract_answer(rec["text"])
+            rec["correct"] = is_correct(rec["extracted"], row["gold"])
+        for rec in row["results"].values():
+            rec["same_answer_as_standard"] = std is not None and rec["extracted"] == std["extracted"]
+    report["strategies"] = [
+        summarize(parse_strategy(r["strategy"]), [row["results"][r["strategy"]] for row in report["problems"]])
+        for r in report["strategies"]
+    ]
+    if report.get("base_standard"):
+        report["base_standard"] = summarize(standard(), [row["base_standard"] for row in report["problems"]])
+    return report
+
+
 # --------------------------------------------------------------------------- figure
 def pareto_figure(report: dict):
     """Plotly figure: accuracy (± standard error) against mean effective k, one marker per strategy.
@@ -381,13 +410,16 @@ def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
     p = argparse.ArgumentParser(prog="python -m model.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_SOURCE, help="smollm2-135m, a local dir / .gguf / adapter, or a hub id")
-    p.add_argument("--data", required=True, help="GSM8K-format JSONL (question, answer with '#### number')")
+    p.add_argument("--data", default=None, help="GSM8K-format JSONL (question, answer with '#### number')")
+    p.add_argument("--rescore", default=None, metavar="REPORT.json",
+                   help="re-extract the answers of a saved report with the current extractor (no model run); "
+                        "writes --out (default: overwrite REPORT.json) and its figure")
     p.add_argument("--limit", type=int, default=None, help="first N problems (default: all)")
     p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
                    help="comma-separated: standard, static:K, confadapt:TAU[:K_MAX]")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--step-by-step", action="store_true", help=f"append '{STEP_BY_STEP}' to each question")
-    p.add_argument("--out", default="runs/eval/eval.json", help="JSON path; the figure goes next to it (.html, .png)")
+    p.add_argument("--out", default=OUT_DEFAULT, help="JSON path; the figure goes next to it (.html, .png)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--no-adapter", action="store_true", help="smollm2-135m without the MTP adapter in assets/")
@@ -399,8 +431,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 bad input)."""
     args = build_parser().parse_args(argv)
+    if args.rescore:
+        try:
+            report = rescore(json.loads(Path(args.rescore).read_text()))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: cannot rescore {args.rescore}: {e}", file=sys.stderr)
+            return 2
+        out = Path(args.rescore) if args.out == OUT_DEFAULT else Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        report["figure"] = write_figure(report, out)
+        out.write_text(json.dumps(report, indent=1, ensure_ascii=False))
+        print(format_table(report))
+        return 0
     out = Path(args.out)
     try:
+        if not args.data:
+            raise ValueError("--data is required (a GSM8K-format JSONL file), unless --rescore is given.")
         check_max_new_tokens(args.max_new_tokens)
         strategies = parse_strategies(args.strategies)
         problems = load_problems(args.data, args.limit)
