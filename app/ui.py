@@ -249,7 +249,7 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True) ->
         return ([], [], "", "", "", [],
                 figures.animated_html(figures.passes_figure([], tau=None, k_max=1)), None, [], "Cleared.")
 
-    with gr.Blocks(title="MTP side by side", fill_width=True) as demo:
+    with gr.Blocks(title="MTP side by side", fill_width=True, analytics_enabled=False) as demo:
         gr.Markdown(
             "# Multi-token prediction, side by side\n"
             "**MTP** lets an ordinary language model propose a block of up to k_max tokens in one forward "

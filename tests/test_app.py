@@ -1,13 +1,20 @@
 """The Gradio app through its API (gradio_client), on the real default model (SmolLM2 GGUF).
 
-The app is served in-process on 127.0.0.1; its answers are compared with the engine's own
-``model.decoding.generate`` on the same loaded model.
+``python app.py`` is started as a subprocess on 127.0.0.1 (the real entry point); its answers
+are compared with the engine's own ``model.decoding.generate`` on the same default model,
+loaded here the same way the app loads it.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -26,16 +33,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def served():
-    """(demo, url, loaded default model): the app served on loopback for this module."""
-    from app import build_app, launch
+ROOT = Path(__file__).resolve().parent.parent
 
-    demo = build_app()
-    lm = demo.mtp_registry.get("smollm2-135m", "none")
-    _, url, _ = launch(demo, server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True)
-    yield demo, url, lm
-    demo.close()
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(process, url, default model): ``python app.py`` serving on loopback for this module."""
+    from model.checkpoint import load_checkpoint
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("app") / "app.log"
+    env = dict(os.environ, GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(port), HF_HUB_OFFLINE="1",
+               GRADIO_ANALYTICS_ENABLED="False")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.time() + 180
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=2)
+                break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    pytest.fail(f"python app.py did not start:\n{log.read_text()[-3000:]}")
+                time.sleep(0.3)
+        lm = load_checkpoint("smollm2-135m")  # what the app loads by default
+        yield proc, url, lm
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +192,7 @@ def test_app_keeps_serving_after_errors(served, client):
 
 
 def test_model_info_shows_the_untrained_warning(served):
-    demo, _, lm = served
+    _, _, lm = served
     from app.ui import model_markdown
 
     md = model_markdown(lm)
