@@ -91,6 +91,10 @@ class TrainConfig:
     cpu: bool = False
     save_dtype: str = "bfloat16"
     log_every: int = 1
+    max_minutes: float | None = None
+    eval_data: str | None = None
+    eval_examples: int = 0
+    eval_k: int = 4
     debug_crash_after_step: int | None = None
     debug_dump_params: bool = False
 
@@ -226,7 +230,9 @@ def export_model(cfg: TrainConfig, lm: LoadedModel, model: Any, out_dir: str | P
     sd = state_dict if state_dict is not None else model.state_dict()
     sd = {k: v.detach().to(save_dtype) if v.is_floating_point() else v for k, v in sd.items()
           if "lora_" in k or "trainable_tokens" in k}
-    model.save_pretrained(str(out), state_dict=sd)
+    # save_embedding_layers=False: the resized embedding (mask token added) is not saved whole; the
+    # mask row travels in mask_rows.safetensors and peft's trainable-token delta.
+    model.save_pretrained(str(out), state_dict=sd, save_embedding_layers=False)
     # The trained mask row as the adapter-enabled model sees it (peft's trainable-token layer).
     with torch.no_grad():
         ids = torch.tensor([lm.mask_token_id], device=next(model.parameters()).device)
@@ -308,6 +314,45 @@ def batch_indices(step: int, micro: int, rank: int, cfg: TrainConfig, world: int
     return out
 
 
+# ------------------------------------------------------------------------------ held-out agreement
+@torch.no_grad()
+def heldout_agreement(setup: Setup, student: Any, seqs: Sequence[Sequence[int]], starts: Sequence[int], *,
+                      k: int, spacing: int, num_regions: int, batch_size: int, unwrapped: Any) -> dict[str, float]:
+    """Teacher agreement and student confidence at mask positions on fixed held-out regions
+    (block size ``k``, grid offset 0): the same objective as training, no gradient, no update.
+
+    Returns:
+        ``{"agreement_mask", "confidence_mask", "predictions"}`` (means over all mask positions).
+    """
+    lm = setup.lm
+    eos = lm.tokenizer.eos_token_id
+    pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else eos
+    ctx = unwrapped.disable_adapter if setup.kind != "full" else None
+    agree = conf = 0.0
+    n = 0
+    was_training = student.training
+    student.eval()
+    for i in range(0, len(seqs), batch_size):
+        bs, bst = list(seqs[i:i + batch_size]), list(starts[i:i + batch_size])
+        regions = place_regions(bs, bst, k=k, offset=0, spacing=spacing, num_regions=num_regions, eos_token_id=eos)
+        if not regions:
+            continue
+        layout = build_layout(bs, regions, mask_token_id=lm.mask_token_id, pad_token_id=pad)
+        dev = next(unwrapped.parameters()).device
+        if setup.kind == "alora":
+            span = build_span_layout(layout, mask_token_id=lm.mask_token_id, pad_token_id=pad).to(dev)
+            out = alora_objective(unwrapped, span, mask_token_id=lm.mask_token_id, eos_token_id=eos, base_context=ctx)
+        else:
+            out = mtp_objective(unwrapped, layout.to(dev), mask_token_id=lm.mask_token_id, eos_token_id=eos,
+                                teacher=setup.teacher, teacher_context=ctx)
+        m = out.block > 0
+        agree += float((out.student_tokens == out.labels)[m].float().sum())
+        conf += float(out.student_confidence[m].sum())
+        n += int(m.sum())
+    student.train(was_training)
+    return {"agreement_mask": agree / max(n, 1), "confidence_mask": conf / max(n, 1), "predictions": n}
+
+
 # ------------------------------------------------------------------------------ training loop
 def train(cfg: TrainConfig, *, lm: LoadedModel | None = None, examples: Sequence[Example] | None = None) -> dict:
     """Run (or resume) a training run; returns the last step's logged record.
@@ -364,6 +409,18 @@ def train(cfg: TrainConfig, *, lm: LoadedModel | None = None, examples: Sequence
     bare = accelerator.unwrap_model(student)
     teacher_context = bare.disable_adapter if setup.kind != "full" else None
 
+    num_regions = cfg.num_regions or default_num_regions(cfg.seq_len, cfg.k_max)
+    spacing = cfg.spacing or 2 * cfg.k_max
+    log_path = output / LOG_FILE
+    heldout = None
+    if cfg.eval_examples > 0:
+        ev = load_examples(cfg.eval_data or cfg.data, need_response=True, split="test", limit=cfg.eval_examples)
+        ev_seqs, ev_starts, _ = encode(lm, ev, cfg.seq_len)
+
+        def heldout() -> dict:
+            return heldout_agreement(setup, student, ev_seqs, ev_starts, k=cfg.eval_k, spacing=spacing,
+                                     num_regions=num_regions, batch_size=cfg.batch_size, unwrapped=bare)
+
     step = 0
     resume_dir = resolve_resume(cfg.resume, output) if cfg.resume else None
     if resume_dir is not None:
@@ -372,13 +429,14 @@ def train(cfg: TrainConfig, *, lm: LoadedModel | None = None, examples: Sequence
         if main:
             print(f"resumed from {resume_dir} at step {step}", file=sys.stderr)
 
-    num_regions = cfg.num_regions or default_num_regions(cfg.seq_len, cfg.k_max)
-    spacing = cfg.spacing or 2 * cfg.k_max
+    if heldout is not None and main and step == 0:
+        with log_path.open("a") as f:
+            f.write(json.dumps({"eval": "before", "step": step, **heldout()}) + "\n")
     eos = lm.tokenizer.eos_token_id
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else eos
     world, rank = accelerator.num_processes, accelerator.process_index
     per_step = cfg.batch_size * cfg.grad_accum * world
-    log_path = output / LOG_FILE
+    started = time.perf_counter()
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not main, desc=f"MTP {setup.kind}", dynamic_ncols=True)
     record: dict = {}
     student.train()
@@ -431,7 +489,17 @@ def train(cfg: TrainConfig, *, lm: LoadedModel | None = None, examples: Sequence
         if cfg.debug_crash_after_step is not None and step == cfg.debug_crash_after_step:
             accelerator.wait_for_everyone()
             os.kill(os.getpid(), signal.SIGKILL)  # simulate a killed job (tests of --resume)
+        if cfg.max_minutes is not None and step < cfg.max_steps:
+            over = torch.tensor([float(time.perf_counter() - started > 60 * cfg.max_minutes)], device=accelerator.device)
+            if float(accelerator.reduce(over, reduction="max")) > 0:
+                save_checkpoint(accelerator, cfg, output, step)
+                if main:
+                    print(f"stopping after {cfg.max_minutes} minutes at step {step}", file=sys.stderr)
+                break
     bar.close()
+    if heldout is not None and main:
+        with log_path.open("a") as f:
+            f.write(json.dumps({"eval": "after", "step": step, **heldout()}) + "\n")
     accelerator.wait_for_everyone()
     if setup.kind == "full":
         sd = accelerator.get_state_dict(student)
@@ -500,6 +568,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--cpu", action="store_true", help="train on the CPU even when CUDA is present")
     a("--save-dtype", choices=["bfloat16", "float16", "float32"], default=d.save_dtype)
     a("--log-every", type=int, default=d.log_every)
+    a("--max-minutes", type=float, default=None, help="stop (and save) after this much wall-clock training time")
+    a("--eval-data", default=None, help="held-out JSONL: teacher agreement at mask positions before and after training")
+    a("--eval-examples", type=int, default=0, help="held-out sequences to score (0 = no evaluation)")
+    a("--eval-k", type=int, default=d.eval_k, help="block size of the held-out evaluation")
     a("--debug-crash-after-step", type=int, default=None, help=argparse.SUPPRESS)
     a("--debug-dump-params", action="store_true", help=argparse.SUPPRESS)
     return p
