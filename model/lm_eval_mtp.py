@@ -1,16 +1,17 @@
 """lm-eval-harness model ``mtp``: ``generate_until`` with our MTP decoding (paper 3.4 / 4.5).
 
-lm-eval 0.4.13 discovers models only from its own registry (no plugin entry points), so the
-model is registered when this module is imported (``@register_model("mtp")``). Run the harness
-through this module, which imports the registration and then hands the command line to lm-eval's
-own CLI unchanged::
+lm-eval 0.4.13 discovers models only from its own registry (no plugin entry points, and
+``--include_path`` adds tasks, not models), so the model is registered with
+``register_model("mtp")`` when this module is imported. Run the harness through this module,
+which imports the registration and then hands the command line to lm-eval's own CLI unchanged::
 
     python -m model.lm_eval_mtp --model mtp \\
         --model_args pretrained=smollm2-135m,threshold=0.9,k_max=16 \\
         --tasks gsm8k_mini --include_path tests/data --limit 8 --output_path runs/lm_eval
 
-(equivalently ``lm_eval run --model mtp ...`` from Python code that imported
-``model.lm_eval_mtp`` first; the plain ``lm_eval`` executable does not know ``mtp``).
+From Python: ``import model.lm_eval_mtp`` and then ``lm_eval.simple_evaluate(model="mtp",
+model_args=..., ...)`` or pass an :class:`MTPLM` instance. The plain ``lm_eval`` executable does
+not know ``mtp``.
 
 Model arguments (``--model_args``): ``pretrained`` (a source for :func:`load_checkpoint`,
 default ``smollm2-135m``), ``strategy`` (``confadapt`` default, ``static`` or ``standard``),
@@ -248,7 +249,11 @@ if __name__ != "__main__":  # `python -m model.lm_eval_mtp` registers the import
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m model.lm_eval_mtp ARGS``: lm-eval's CLI (``ARGS`` unchanged) with ``mtp`` registered."""
+    """``python -m model.lm_eval_mtp ARGS``: lm-eval's CLI (``ARGS`` unchanged) with ``mtp`` registered.
+
+    Returns the exit status: 0 ok, 2 for bad model arguments or tasks (one ``error:`` line on
+    stderr), else lm-eval's own. Prints each ``mtp`` model's decoding totals (effective k) on stderr.
+    """
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv = ["lm-eval"] + (list(argv) if argv is not None else sys.argv[1:])
@@ -257,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         if e.code not in (0, None):
             return int(e.code) if isinstance(e.code, int) else 2
+    except (ValueError, KeyError) as e:  # bad --model_args (CheckpointError is a ValueError), unknown task
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     for inst in INSTANCES:
         s = inst.stats
         print(f"mtp {s['strategy']}: {s['requests']} requests, {s['new_tokens']} tokens in {s['forward_passes']} "

@@ -126,8 +126,9 @@ def test_cli_lm_eval_mtp_on_local_task_default_model(tmp_path, smollm2):
     assert len(samples) == 3 and acc == pytest.approx(sum(x["exact_match"] for x in samples) / 3)
     sample = samples[0]
     # the harness's answer for the first problem is our ConfAdapt decoding of the same context, cut at a stop string
-    ctx = sample["arguments"]["gen_args_0"]["arg_0"]
-    dec = Decoder(smollm2, smollm2.tokenizer(ctx, add_special_tokens=False)["input_ids"], confadapt(0.9, 16), 24)
+    ctx, gen_kwargs = sample["arguments"]["gen_args_0"]["arg_0"], sample["arguments"]["gen_args_0"]["arg_1"]
+    assert gen_kwargs["max_gen_toks"] == 32  # the task's value wins over the model's default (24)
+    dec = Decoder(smollm2, smollm2.tokenizer(ctx, add_special_tokens=False)["input_ids"], confadapt(0.9, 16), 32)
     text = ""
     for rec in dec:
         text += rec.text
