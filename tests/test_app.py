@@ -120,6 +120,8 @@ def test_answers_one_prompt_like_the_engine(served, client):
     assert f'data-frames="{mtp_ref.forward_passes}"' in out["figure"]
     assert "/gradio_api/file=" in out["figure"] and "plotly.min.js" in out["figure"]
     assert re.search(r"Wall-clock speedup of ConfAdapt tau=0\.90 k_max=16 over standard: [0-9.]+×", out["speedup"])
+    # answers of different length are compared in tokens/s, never by the time ratio
+    assert ("in tokens/s" in out["speedup"]) == (std_ref.new_tokens != mtp_ref.new_tokens)
     rows = out["table"]["data"]
     assert len(rows) == std_ref.forward_passes + mtp_ref.forward_passes
     assert all(r[5] > 0 for r in rows)  # per-pass milliseconds
@@ -226,3 +228,30 @@ def test_figures_draw_the_pass_records(served):
     spans = figures.coloured_blocks(res.passes)
     assert "".join(t for t, _ in spans) == res.text
     assert [int(w) for _, w in spans] == [len(p.kept) for p in res.passes if p.text]
+
+
+def test_runner_alternates_passes_and_reports_an_honest_speedup(served):
+    from app.runner import run_side_by_side
+    from app.ui import speedup_markdown
+
+    _, _, lm = served
+    ids = lm.prompt_ids("And the n-th square number?")
+    strategy = static_k(3, 3)
+    order, last = [], None
+    for std, mtp in run_side_by_side(lm, ids, ids, strategy, 12):
+        now = (std.forward_passes, mtp.forward_passes)
+        order.append("std" if last is None or now[0] > last[0] else "mtp")
+        last = now
+    n_both = min(std.forward_passes, mtp.forward_passes)
+    assert order[: 2 * n_both] == ["std", "mtp"] * n_both  # one pass each, in turn
+    std_ref = generate(lm, "And the n-th square number?", standard(), 12)
+    mtp_ref = generate(lm, "And the n-th square number?", strategy, 12)
+    assert (std.text, std.tokens, std.forward_passes) == (std_ref.text, std_ref.new_tokens, std_ref.forward_passes)
+    assert (mtp.text, mtp.tokens, mtp.forward_passes) == (mtp_ref.text, mtp_ref.new_tokens, mtp_ref.forward_passes)
+    assert all(r.seconds > 0 for r in std.records + mtp.records)
+    md = speedup_markdown(std, mtp)
+    if std.tokens != mtp.tokens:
+        tps = mtp.tokens_per_second / std.tokens_per_second
+        assert f"over standard: {tps:.2f}× in tokens/s" in md and "is not a speedup" in md
+    else:
+        assert f"over standard: {std.seconds / mtp.seconds:.2f}×**" in md
