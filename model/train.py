@@ -282,23 +282,30 @@ def self_distill_answers(lm: LoadedModel, examples: Sequence[Example], path: Pat
                          max_new_tokens: int = 256, show_progress: bool = True) -> list[Example]:
     """The base model's own greedy answers (``model.decoding``'s standard strategy) to the first
     ``n`` prompts, appended to ``path`` (JSONL ``prompt``/``response``); rows already there are reused,
-    so an interrupted run continues where it stopped."""
+    so an interrupted run continues where it stopped. Empty answers (an immediate EOS) are kept in
+    the file but not returned."""
     from tqdm.auto import tqdm
 
     from .decoding import Decoder, standard
 
-    done: list[Example] = read_jsonl(path) if path.is_file() and path.stat().st_size else []
-    todo = list(examples[len(done):n])
+    rows: list[dict] = []
+    if path.is_file():
+        rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    todo = list(examples[len(rows):n])
     with lm.base_model(), path.open("a", encoding="utf-8") as f:
         for ex in tqdm(todo, desc="self-distill answers", disable=not show_progress or not todo):
             dec = Decoder(lm, lm.prompt_ids(ex.prompt), standard(), max_new_tokens)
             for _ in dec:
                 pass
             text = lm.tokenizer.decode(dec.result().token_ids, skip_special_tokens=True).strip()
-            f.write(json.dumps({"prompt": ex.prompt, "response": text}, ensure_ascii=False) + "\n")
+            row = {"prompt": ex.prompt, "response": text}
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
             f.flush()
-            done.append(Example(ex.prompt, text, str(path)))
-    return done[:n]
+            rows.append(row)
+    out = [Example(r["prompt"], r["response"], f"{path}:{i + 1}") for i, r in enumerate(rows[:n]) if r["response"]]
+    if not out:
+        raise DataError(f"{path}: the base model answered every prompt with nothing; no training text.")
+    return out
 
 
 def batch_indices(step: int, micro: int, rank: int, cfg: TrainConfig, world: int, n: int) -> list[int]:
@@ -397,7 +404,7 @@ def train(cfg: TrainConfig, *, lm: LoadedModel | None = None, examples: Sequence
             with torch.no_grad():
                 self_distill_answers(lm, examples, path, cfg.self_distill_answers, cfg.answer_max_new_tokens)
         accelerator.wait_for_everyone()
-        examples = read_jsonl(path)[: cfg.self_distill_answers]
+        examples = self_distill_answers(lm, examples, path, cfg.self_distill_answers, show_progress=False)
     seqs, starts, dropped = encode(lm, examples, cfg.seq_len)
     if dropped and main:
         print(f"note: {dropped} examples dropped (prompt longer than --seq-len {cfg.seq_len})", file=sys.stderr)

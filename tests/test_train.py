@@ -196,3 +196,12 @@ def test_lora_export_reloads_exactly(tiny_dir, tmp_path):
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
     rows = load_file(str(out / "mask_rows.safetensors"))["embed"]
     assert torch.allclose(base.get_input_embeddings().weight[lm.mask_token_id], rows[0])
+    # --init-adapter continues from that adapter (lr 1e-12: the weights barely move) and keeps its base.
+    run = tmp_path / "cont"
+    assert main(_args(tiny_dir, run, "--init-adapter", out, "--max-steps", "1", "--lr", "1e-12", "--warmup", "0",
+                      "--save-dtype", "float32")) == 0
+    a, b = load_file(str(out / "adapter_model.safetensors")), load_file(str(run / "final" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and any("lora_B" in k for k in a)
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    assert any(a[k].abs().max() > 0.1 for k in a if "lora_B" in k)
+    assert json.loads((run / "final" / "mtp_adapter.json").read_text())["base"] == meta["base"]
