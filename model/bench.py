@@ -187,13 +187,13 @@ def bench(
 def format_table(report: dict) -> str:
     """The report as a plain-text table (one row per method)."""
     cuda = report["memory_bandwidth"] is not None
-    head = f"{'method':<28} {'tokens/s':>9} {'x HF':>6} {'eff. k':>7} {'passes/s':>9}"
+    head = f"{'method':<28} {'tokens/s':>9} {'x HF':>6} {'eff. k':>7} {'passes/s':>9} {'new tokens':>10}"
     if cuda:
         head += f" {'weights GB/s':>13} {'of bandwidth':>13}"
     lines = [head, "-" * len(head)]
     for r in report["methods"]:
         line = (f"{r['label']:<28} {r['tokens_per_second']:>9.1f} {r['ratio_to_hf']:>6.2f} "
-                f"{r['effective_k']:>7.2f} {r['forward_passes_per_second']:>9.1f}")
+                f"{r['effective_k']:>7.2f} {r['forward_passes_per_second']:>9.1f} {r['tokens']:>10d}")
         if cuda:
             line += f" {r['weight_bytes_per_second'] / 1e9:>13.1f} {r['fraction_of_bandwidth']:>13.1%}"
         lines.append(line)
@@ -202,6 +202,8 @@ def format_table(report: dict) -> str:
                  f"{c['device']} {c['dtype']}, {c['torch_threads']} torch threads; weights {c['weight_bytes'] / 1e6:.0f} MB")
     if cuda:
         lines.append(f"device memory bandwidth (measured copy): {report['memory_bandwidth'] / 1e9:.0f} GB/s")
+    lines.append("new tokens: generated in one repeat over all prompts; a method that hits a stop token early "
+                 "spends a larger share of its time on the prefill")
     if report["standard_matches_hf"] is not None:
         lines.append(f"standard loop output == HF generate output: {report['standard_matches_hf']}")
     return "\n".join(lines)
