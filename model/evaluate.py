@@ -363,6 +363,7 @@ def pareto_figure(report: dict):
         xaxis_title="effective k (tokens per forward pass, mean over passes)",
         yaxis_title="accuracy (flexible extraction)", template="plotly_white", width=900, height=560,
     )
+    fig.update_yaxes(rangemode="tozero", tickformat=".0%")
     return fig
 
 
