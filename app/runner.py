@@ -154,6 +154,7 @@ class ModelRegistry:
         self._capacity = max(1, capacity)
         self._models: OrderedDict[tuple[str, str], LoadedModel] = OrderedDict()
         self._lock = threading.Lock()
+        self._loading: dict[tuple[str, str], threading.Lock] = {}
 
     @staticmethod
     def key(source: str, quantization: Any = "none") -> tuple[str, str]:
@@ -166,6 +167,9 @@ class ModelRegistry:
     def get(self, source: str, quantization: Any = "none") -> LoadedModel:
         """The loaded model for ``source`` (loading it on first use).
 
+        A slow load (a hub checkpoint) only blocks requests for that same model; sessions on
+        models already loaded keep generating.
+
         Raises:
             RequestError: the source cannot be loaded (message from the engine).
         """
@@ -174,6 +178,11 @@ class ModelRegistry:
             if key in self._models:
                 self._models.move_to_end(key)
                 return self._models[key]
+            key_lock = self._loading.setdefault(key, threading.Lock())
+        with key_lock:
+            with self._lock:
+                if key in self._models:  # loaded by another request meanwhile
+                    return self._models[key]
             try:
                 lm = self._loader(key[0], quantization=None if key[1] == "none" else key[1])
             except CheckpointError as e:
@@ -181,9 +190,10 @@ class ModelRegistry:
             except Exception as e:  # noqa: BLE001 - anything a loader raises becomes a page message
                 log.exception("loading %s failed", key)
                 raise RequestError(f"Could not load {key[0]!r}: {type(e).__name__}: {e}") from None
-            self._models[key] = lm
-            while len(self._models) > self._capacity:
-                self._models.popitem(last=False)
+            with self._lock:
+                self._models[key] = lm
+                while len(self._models) > self._capacity:
+                    self._models.popitem(last=False)
             return lm
 
     def loaded(self) -> list[tuple[str, str]]:

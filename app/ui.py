@@ -267,7 +267,8 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True) ->
         model_key = gr.State(default_key)
         with gr.Accordion("Model", open=False):
             with gr.Row():
-                model_choice = gr.Dropdown(MODEL_CHOICES, value=DEFAULT_SOURCE, label="Model", scale=3)
+                model_choice = gr.Dropdown(MODEL_CHOICES, value=DEFAULT_SOURCE, label="Model", scale=3,
+                                           info="then press Load model; hub checkpoints need a GPU and network")
                 local_path = gr.Textbox(label="…or a local path / hub id", placeholder="/path/to/model or owner/name",
                                         scale=3, elem_id="local-path")
                 quantization = gr.Radio(["none", "4bit", "8bit"], value="none", label="Quantization (CUDA only)",

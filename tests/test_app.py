@@ -49,6 +49,7 @@ def served(tmp_path_factory):
         proc = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/"
     try:
+        lm = load_checkpoint("smollm2-135m")  # what the app loads by default (while it starts)
         deadline = time.time() + 180
         while True:
             try:
@@ -58,7 +59,6 @@ def served(tmp_path_factory):
                 if proc.poll() is not None or time.time() > deadline:
                     pytest.fail(f"python app.py did not start:\n{log.read_text()[-3000:]}")
                 time.sleep(0.3)
-        lm = load_checkpoint("smollm2-135m")  # what the app loads by default
         yield proc, url, lm
     finally:
         proc.terminate()
@@ -255,3 +255,15 @@ def test_runner_alternates_passes_and_reports_an_honest_speedup(served):
         assert f"over standard: {tps:.2f}× in tokens/s" in md and "is not a speedup" in md
     else:
         assert f"over standard: {std.seconds / mtp.seconds:.2f}×**" in md
+
+
+def test_registry_loads_once_and_keeps_going_after_a_bad_source():
+    from app.runner import ModelRegistry, RequestError
+
+    reg = ModelRegistry()
+    with pytest.raises(RequestError, match="No such local model"):
+        reg.get("/no/such/model-dir")
+    with pytest.raises(RequestError, match="Unknown quantization"):
+        reg.get("smollm2-135m", "3bit")
+    lm = reg.get("smollm2-135m", "none")
+    assert reg.get("smollm2-135m") is lm and reg.loaded() == [("smollm2-135m", "none")]
