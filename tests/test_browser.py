@@ -123,7 +123,7 @@ def gsm8k_question() -> str:
     return json.loads(path.read_text().splitlines()[0])["question"]
 
 
-def test_page_streams_both_panes_figure_and_coloured_answer(page, served):
+def test_page_streams_both_panes_figure_and_coloured_answer(page, served, capsys):
     _, _, lm = served
     question = gsm8k_question()
     set_max_new_tokens(page, 20)
@@ -148,7 +148,8 @@ def test_page_streams_both_panes_figure_and_coloured_answer(page, served):
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "app_gsm8k.png"
     page.screenshot(path=str(shot), full_page=True)
-    print(f"\nscreenshot: {shot}")
+    with capsys.disabled():  # shown in the test output even when pytest captures stdout
+        print(f"\nscreenshot: {shot}")
 
     # Play and Pause work after generation ends
     fig = page.frame_locator("#passes-figure iframe")
