@@ -154,7 +154,9 @@ def defer_range_check(slider: gr.Slider) -> gr.Slider:
 
 
 def error_md(msg: str) -> str:
-    """A status-line error message."""
+    """A status-line error message; also raised as a toast (``gr.Warning``) so that it is seen
+    wherever the page is scrolled."""
+    gr.Warning(msg)
     return f"⚠️ **Error:** {msg}"
 
 
@@ -250,7 +252,7 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True) ->
             lm = registry.get(*key)
         except RequestError as e:
             current = (model_key or default_key)[0]
-            return model_key, gr.skip(), error_md(f"{e} Still using `{current}`.")
+            return model_key, gr.skip(), error_md(f"{e} Still using {current}.")
         return key, model_markdown(lm, key[1]), f"Loaded `{key[0]}`."
 
     def clear():

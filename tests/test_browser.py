@@ -242,6 +242,8 @@ def test_bad_inputs_show_messages_and_the_app_keeps_serving(page, served):
     page.click("#load-model")
     status = wait_status(page, "No such local model")
     assert "Still using smollm2-135m" in status
+    toast = page.locator(".toast-body", has_text="No such local model")  # also a toast, seen wherever scrolled
+    toast.first.wait_for(state="visible", timeout=10_000)
 
     rtl = "مرحبا بالعالم 👋🌍 שלום עולם — what language is this?"
     send(page, rtl)
