@@ -448,7 +448,7 @@ def train(cfg: TrainConfig, *, lm: LoadedModel | None = None, examples: Sequence
     record: dict = {}
     student.train()
     while step < cfg.max_steps:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         rng = random.Random(f"mtp-{cfg.seed}-{step}")  # k and grid offset: same on every process
         k, offset = sample_block(rng, cfg.k_max, spacing)
         sums: dict[str, float] = {}
@@ -481,9 +481,11 @@ def train(cfg: TrainConfig, *, lm: LoadedModel | None = None, examples: Sequence
         vals = torch.tensor([sums[x] / cfg.grad_accum for x in keys], device=accelerator.device, dtype=torch.float64)
         vals = accelerator.reduce(vals, reduction="mean")
         seconds = time.perf_counter() - t0
+        cpu_seconds = time.process_time() - c0  # this process's CPU time (all threads): load-independent cost
         record = {"step": step, **{x: round(float(v), 6) for x, v in zip(keys, vals.tolist())}, "k": k,
                   "offset": offset, "lr": scheduler.get_last_lr()[0], "grad_norm": round(float(grad_norm), 6),
-                  "sequences": per_step, "seconds": round(seconds, 4), "seqs_per_s": round(per_step / seconds, 4),
+                  "sequences": per_step, "seconds": round(seconds, 4), "cpu_seconds": round(cpu_seconds, 4),
+                  "seqs_per_s": round(per_step / seconds, 4),
                   "predictions": int(sums["predictions"])}
         if main and (step % cfg.log_every == 0 or step == cfg.max_steps):
             with log_path.open("a") as f:
