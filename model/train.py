@@ -2,7 +2,10 @@
 
     python -m model.train --base smollm2-135m --data ../shared/data/gsm8k/train.jsonl \\
         --output runs/mtp --max-steps 1000 --batch-size 8 --lora-rank 16
-    accelerate launch --num_processes 2 -m model.train ...      # DDP (or an FSDP accelerate config)
+    accelerate launch --multi_gpu --num_processes 2 -m model.train ...   # DDP (gloo on a CPU-only machine)
+
+DDP is tested (2 CPU processes, identical weights). FSDP is not: the teacher pass calls the unwrapped
+module (peft ``disable_adapter``), which assumes unsharded parameters; use DDP for LoRA / aLoRA.
 
 Each optimizer step draws one block size ``k`` in ``[2, k_max]`` and one region-grid offset, lays
 out ``--batch-size`` sequences per process with ``M`` MTP regions each

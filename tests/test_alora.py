@@ -119,8 +119,8 @@ def test_smollm2_alora_standard_is_base_and_blocks_start_with_base_greedy(smollm
     mtp = load_checkpoint(str(out), device="cpu")
     assert mtp.adapter == "alora" and mtp.mask_token_id == smollm2.mask_token_id
     assert (out / "adapter_model.safetensors").stat().st_size < 8_000_000  # no whole embedding matrix
-    n = 12
-    for q in ["What is 15 plus 27?", "Name three colours."]:
+    n = 16
+    for q in ["What is 15 plus 27?"]:
         ids = smollm2.prompt_ids(q)
         want = hf_generate(smollm2, ids, n)
         assert generate(mtp, q, standard(), n).token_ids == want
