@@ -92,6 +92,7 @@ class TrainConfig:
     data_split: str = "train"
     mixed_precision: str = "auto"
     cpu: bool = False
+    threads: int | None = None
     save_dtype: str = "bfloat16"
     log_every: int = 1
     max_minutes: float | None = None
@@ -383,6 +384,8 @@ def train(cfg: TrainConfig, *, lm: LoadedModel | None = None, examples: Sequence
     from transformers import get_constant_schedule_with_warmup
 
     cfg.validate()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     output = Path(cfg.output)
     need_resp = cfg.self_distill_answers <= 0
     if examples is None:  # read and validate the data before loading anything heavy
@@ -577,6 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--answer-max-new-tokens", type=int, default=d.answer_max_new_tokens)
     a("--max-examples", type=int, default=None, help="read at most this many rows")
     a("--mixed-precision", choices=["auto", "no", "bf16", "fp16"], default="auto", help="auto: bf16 on CUDA")
+    a("--threads", type=int, default=None,
+      help="torch CPU threads per process; 1 is far faster on a CPU shared with other jobs (no OpenMP spin-waits)")
     a("--cpu", action="store_true", help="train on the CPU even when CUDA is present")
     a("--save-dtype", choices=["bfloat16", "float16", "float32"], default=d.save_dtype)
     a("--log-every", type=int, default=d.log_every)
