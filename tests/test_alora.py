@@ -17,6 +17,16 @@ from model.train import TrainConfig, export_model, load_for_training, main
 from tests.conftest import make_tiny
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """One torch thread: on a CPU shared with other jobs, 2 OpenMP threads spin-wait and run small
+    forward passes up to ~15x slower (measured). Results do not depend on it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _alora(model, mask_id, r=4):
     cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", init_lora_weights=False,
                      alora_invocation_tokens=[mask_id], trainable_token_indices=[mask_id])

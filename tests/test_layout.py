@@ -10,6 +10,16 @@ import torch
 from model.layout import GT, MASK, PAD, Region, build_layout, default_num_regions, place_regions, sample_block
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """One torch thread: on a CPU shared with other jobs, 2 OpenMP threads spin-wait and run small
+    forward passes up to ~15x slower (measured). Results do not depend on it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _rows(tok, n_rows=3, seed=0):
     """Real-text ground-truth rows of different lengths: prompt ids + response ids + EOS."""
     texts = [("What is 12 times 7?", "12 times 7 is 84, because 10 times 7 is 70 and 2 times 7 is 14."),

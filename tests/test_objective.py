@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -12,6 +13,16 @@ from model.layout import Region, build_layout, place_regions
 from model.objective import mtp_objective, student_logits, teacher_input_ids
 
 from tests.conftest import make_tiny
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """One torch thread: on a CPU shared with other jobs, 2 OpenMP threads spin-wait and run small
+    forward passes up to ~15x slower (measured). Results do not depend on it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def _batch(tok):
