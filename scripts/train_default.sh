@@ -20,6 +20,7 @@ sed -E 's/<<[^>]*>>//g' "$DATA" > "$OUT/train_clean.jsonl"
 extra=()
 [ "${CONTINUE:-0}" = 1 ] && extra+=(--init-adapter assets/smollm2-135m-mtp)
 ls "$OUT"/checkpoint-* >/dev/null 2>&1 && extra+=(--resume auto)
+[ -n "${THREADS:-}" ] && extra+=(--threads "$THREADS")   # THREADS=1 on a CPU shared with other jobs
 HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} "$PY" -m model.train --base smollm2-135m --data "$OUT/train_clean.jsonl" \
   --output "$OUT" --adapter alora --lora-rank 16 --k-max 4 --spacing 4 --lr 1e-3 --warmup 20 \
   --batch-size "$BATCH" --seq-len 160 --max-steps 100000 --max-minutes "$MINUTES" --save-every 10 \

@@ -9,6 +9,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the Hub in tests
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# OpenMP threads that spin-wait between forward passes starve the app server the tests start beside
+# them (measured ~10x slowdowns on 2 shared cores); passive waiting costs little on an idle machine.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
