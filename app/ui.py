@@ -141,7 +141,8 @@ def model_markdown(lm: LoadedModel, quantization: str = "none") -> str:
     trained = "MTP-trained" if lm.mtp_trained else "**not MTP-trained**"
     lines = [f"**Model:** `{lm.source}` · {lm.device} · quantization {quantization} · mask token id "
              f"{lm.mask_token_id} · prompt format `{lm.prompt_format}` · {trained}"
-             + (f" · adapter {lm.adapter}" if lm.adapter else "")]
+             + (f" · adapter {lm.adapter}" if lm.adapter else "")
+             + (f" · trained with k_max {lm.trained_k_max}" if lm.trained_k_max else "")]
     lines += [f"⚠️ {w}" for w in lm.warnings]
     return "\n\n".join(lines)
 
@@ -175,9 +176,12 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True) ->
     gr.set_static_paths([str(figures.PLOTLY_JS)])
     default_key = ModelRegistry.key(DEFAULT_SOURCE, "none")
     default_info = ""
+    default_k_max = 16  # the paper's sweep; an adapter trained with a smaller k_max suggests its own
     if preload:
         try:
-            default_info = model_markdown(registry.get(*default_key))
+            default_lm = registry.get(*default_key)
+            default_info = model_markdown(default_lm)
+            default_k_max = min(default_lm.trained_k_max or default_k_max, APP_MAX_K_MAX)
         except RequestError as e:
             default_info = error_md(str(e))
     cmap = figures.block_colour_map(APP_MAX_K_MAX)
@@ -281,7 +285,7 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True) ->
             strategy = gr.Radio(STRATEGIES, value="ConfAdapt", label="MTP strategy (right pane)", elem_id="strategy")
             tau = defer_range_check(gr.Slider(0.5, 1.0, value=0.9, step=0.01, label="tau (ConfAdapt threshold)",
                                               elem_id="tau"))
-            k_max = defer_range_check(gr.Slider(1, APP_MAX_K_MAX, value=16, step=1, label="k_max (proposals per pass)",
+            k_max = defer_range_check(gr.Slider(1, APP_MAX_K_MAX, value=default_k_max, step=1, label="k_max (proposals per pass)",
                                                 elem_id="k-max"))
             k = defer_range_check(gr.Slider(1, APP_MAX_K_MAX, value=3, step=1, label="k (static k block size)",
                                             elem_id="k"))

