@@ -23,6 +23,16 @@ GSM8K_DIR = ROOT.parent / "shared" / "data" / "gsm8k"
 from model.checkpoint import LoadedModel, load_checkpoint, wrap_model  # noqa: E402
 
 
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for the test: on a CPU shared with other jobs, 2 OpenMP threads spin-wait and
+    run small forward passes up to ~15x slower (measured). Results do not depend on it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
     """The real SmolLM2-135M-Instruct base (GGUF), mask token added, no adapter. Read-only use!"""

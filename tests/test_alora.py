@@ -17,14 +17,7 @@ from model.train import TrainConfig, export_model, load_for_training, main
 from tests.conftest import make_tiny
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """One torch thread: on a CPU shared with other jobs, 2 OpenMP threads spin-wait and run small
-    forward passes up to ~15x slower (measured). Results do not depend on it."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _alora(model, mask_id, r=4):

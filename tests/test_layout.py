@@ -10,14 +10,7 @@ import torch
 from model.layout import GT, MASK, PAD, Region, build_layout, default_num_regions, place_regions, sample_block
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """One torch thread: on a CPU shared with other jobs, 2 OpenMP threads spin-wait and run small
-    forward passes up to ~15x slower (measured). Results do not depend on it."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _rows(tok, n_rows=3, seed=0):

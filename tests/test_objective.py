@@ -15,14 +15,7 @@ from model.objective import mtp_objective, student_logits, teacher_input_ids
 from tests.conftest import make_tiny
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """One torch thread: on a CPU shared with other jobs, 2 OpenMP threads spin-wait and run small
-    forward passes up to ~15x slower (measured). Results do not depend on it."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _batch(tok):

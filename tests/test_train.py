@@ -24,14 +24,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "
        "OMP_NUM_THREADS": "1"}
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """One torch thread: on a CPU shared with other jobs, 2 OpenMP threads spin-wait and run small
-    forward passes up to ~15x slower (measured). Results do not depend on it."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
