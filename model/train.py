@@ -45,8 +45,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .checkpoint import (ADAPTER_META, DEFAULT_MASK_TOKEN, DEFAULT_SOURCE, MASK_ROWS_FILE, PROMPT_FORMATS,
-                         CheckpointError, LoadedModel, _apply_adapter, _read_adapter_meta, load_checkpoint)
+from .adapter_format import MTPMeta, load_mask_rows, read_meta, save_mtp_checkpoint
+from .checkpoint import DEFAULT_MASK_TOKEN, DEFAULT_SOURCE, PROMPT_FORMATS, CheckpointError, LoadedModel, load_checkpoint
 from .layout import build_layout, build_span_layout, default_num_regions, place_regions, sample_block
 from .objective import alora_objective, mtp_objective
 from .train_data import DataError, Example, encode, load_examples, read_jsonl, write_jsonl
@@ -165,14 +165,14 @@ def load_for_training(cfg: TrainConfig, device: torch.device, lm: LoadedModel | 
     kind = cfg.kind
     init_meta = None
     if cfg.init_adapter:
-        init_meta = _read_adapter_meta(Path(cfg.init_adapter))
-        if init_meta.get("adapter", "lora") != kind:
-            raise CheckpointError(f"--init-adapter {cfg.init_adapter} holds a {init_meta.get('adapter')!r} adapter "
+        init_meta = read_meta(cfg.init_adapter)
+        if init_meta.adapter != kind:
+            raise CheckpointError(f"--init-adapter {cfg.init_adapter} holds a {init_meta.adapter!r} adapter "
                                   f"but this run trains --adapter {kind}.")
     if lm is None:
-        base = init_meta["base"] if init_meta else cfg.base
-        lm = load_checkpoint(base, mask_token=(init_meta or {}).get("mask_token", cfg.mask_token), device=device,
-                             dtype=torch.float32, prompt_format=cfg.prompt_format or (init_meta or {}).get("prompt_format"),
+        base = init_meta.base if init_meta else cfg.base
+        lm = load_checkpoint(base, mask_token=init_meta.mask_token if init_meta else cfg.mask_token, device=device,
+                             dtype=torch.float32, prompt_format=cfg.prompt_format or (init_meta.prompt_format if init_meta else None),
                              adapter=False)
     model = lm.model
     if lm.adapter is not None:
@@ -189,7 +189,7 @@ def load_for_training(cfg: TrainConfig, device: torch.device, lm: LoadedModel | 
             p.requires_grad_(True)
         return Setup(lm, model, teacher, None, kind)
     if init_meta:
-        _apply_adapter(model, Path(cfg.init_adapter), lm.mask_token_id, init_meta)
+        load_mask_rows(model, cfg.init_adapter, lm.mask_token_id)
         peft_model = PeftModel.from_pretrained(model, cfg.init_adapter, is_trainable=True)
     else:
         peft_model = get_peft_model(model, _lora_config(cfg, lm.mask_token_id, kind == "alora"))
@@ -201,51 +201,19 @@ def load_for_training(cfg: TrainConfig, device: torch.device, lm: LoadedModel | 
 
 
 # ------------------------------------------------------------------------------ saving
-def _meta_base(cfg: TrainConfig, lm: LoadedModel) -> str:
-    if cfg.init_adapter:
-        return _read_adapter_meta(Path(cfg.init_adapter))["base"]
-    src = cfg.base
-    p = Path(os.path.expanduser(src))
-    return str(p.resolve()) if p.exists() else src
-
-
 def export_model(cfg: TrainConfig, lm: LoadedModel, model: Any, out_dir: str | Path,
                  state_dict: dict | None = None) -> Path:
-    """Write the trained model so that ``load_checkpoint(out_dir)`` decodes it with ConfAdapt.
-
-    Full fine-tune: a model directory (config, ``--save-dtype`` safetensors, tokenizer with the
-    mask token). LoRA / aLoRA: ``mtp_adapter.json`` (base, mask token, adapter kind, prompt
-    format), ``mask_rows.safetensors`` (the trained mask embedding row) and peft's adapter files,
-    weights in ``--save-dtype``.
-    """
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_dtype = getattr(torch, cfg.save_dtype)
-    if cfg.kind == "full":
-        sd = state_dict if state_dict is not None else model.state_dict()
-        sd = {k: v.detach().to(save_dtype) if v.is_floating_point() else v for k, v in sd.items()}
-        model.save_pretrained(str(out), state_dict=sd)
-        lm.tokenizer.save_pretrained(str(out))
-        (out / "mtp_train.json").write_text(json.dumps({"prompt_format": lm.prompt_format, "mask_token": cfg.mask_token,
-                                                        "base": _meta_base(cfg, lm)}, indent=1))
-        return out
-    sd = state_dict if state_dict is not None else model.state_dict()
-    sd = {k: v.detach().to(save_dtype) if v.is_floating_point() else v for k, v in sd.items()
-          if "lora_" in k or "trainable_tokens" in k}
-    # save_embedding_layers=False: the resized embedding (mask token added) is not saved whole; the
-    # mask row travels in mask_rows.safetensors and peft's trainable-token delta.
-    model.save_pretrained(str(out), state_dict=sd, save_embedding_layers=False)
-    # The trained mask row as the adapter-enabled model sees it (peft's trainable-token layer).
-    with torch.no_grad():
-        ids = torch.tensor([lm.mask_token_id], device=next(model.parameters()).device)
-        row = model.get_input_embeddings()(ids).detach().float().cpu().contiguous()
-    save_file({"embed": row}, str(out / MASK_ROWS_FILE))
-    meta = {"base": _meta_base(cfg, lm), "mask_token": cfg.mask_token, "adapter": cfg.kind,
-            "prompt_format": lm.prompt_format, "k_max": cfg.k_max}
-    (out / ADAPTER_META).write_text(json.dumps(meta, indent=1))
-    return out
+    """Write the trained model with :func:`model.adapter_format.save_mtp_checkpoint`, so that
+    ``load_checkpoint(out_dir)`` decodes it (weights in ``--save-dtype``)."""
+    if cfg.init_adapter:
+        base = read_meta(cfg.init_adapter).base
+    else:
+        p = Path(os.path.expanduser(cfg.base))
+        base = str(p.resolve()) if p.exists() else cfg.base
+    meta = MTPMeta(base=base, adapter=cfg.kind, mask_token=cfg.mask_token, prompt_format=lm.prompt_format,
+                   k_max=cfg.k_max)
+    return save_mtp_checkpoint(out_dir, model, meta, mask_token_id=lm.mask_token_id, tokenizer=lm.tokenizer,
+                               save_dtype=getattr(torch, cfg.save_dtype), state_dict=state_dict)
 
 
 def _checkpoints(output: Path) -> list[Path]:
