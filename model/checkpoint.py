@@ -76,6 +76,36 @@ class LoadedModel:
     warnings: list[str] = field(default_factory=list)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     trained_k_max: int | None = None
+    _token_bytes: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def token_bytes(self) -> Any:
+        """A :class:`model.text.TokenBytes` for this tokenizer: ``lm.token_bytes(id) -> bytes``."""
+        if self._token_bytes is None:
+            from .text import TokenBytes
+
+            self._token_bytes = TokenBytes(self.tokenizer)
+        return self._token_bytes
+
+    @property
+    def default_k_max(self) -> int:
+        """k_max to decode with when none is given: the adapter's trained k_max, else
+        :data:`model.strategies.DEFAULT_K_MAX`."""
+        from .strategies import DEFAULT_K_MAX
+
+        return self.trained_k_max or DEFAULT_K_MAX
+
+    @property
+    def max_positions(self) -> int | None:
+        """The model's ``max_position_embeddings`` (positions a sequence may use), None if unknown."""
+        n = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        return n if isinstance(n, int) and n > 0 else None
+
+    def new_cache(self) -> Any:
+        """An empty KV cache for :meth:`forward` (a transformers ``DynamicCache``)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=getattr(self.model, "config", None))
 
     # ------------------------------------------------------------------ prompts
     def prompt_ids(self, messages: str | Sequence[dict]) -> list[int]:

@@ -40,7 +40,8 @@ from tqdm import tqdm
 
 from .answers import extract_answer, extract_gold, is_correct
 from .checkpoint import DEFAULT_SOURCE, CheckpointError, LoadedModel, load_checkpoint
-from .decoding import Decoder, GenerationResult, Strategy, check_max_new_tokens, parse_strategy, standard
+from .decoding import GenerationResult, run
+from .strategies import SPEC_HELP, Strategy, check_max_new_tokens, parse_strategies, parse_strategy, standard
 
 STEP_BY_STEP = "Let's think step by step."
 DEFAULT_STRATEGIES = "standard,static:2,static:3,static:4,confadapt:0.95,confadapt:0.9,confadapt:0.8,confadapt:0.7"
@@ -102,25 +103,6 @@ def make_prompt(question: str, step_by_step: bool = False) -> str:
     return f"{question.strip()}\n{STEP_BY_STEP}" if step_by_step else question.strip()
 
 
-def parse_strategies(specs: str | Sequence[str]) -> list[Strategy]:
-    """Parse ``"standard,static:2,confadapt:0.9"`` (or a list of specs); duplicates are dropped.
-
-    Raises:
-        ValueError: empty list or a malformed spec.
-    """
-    items = specs.split(",") if isinstance(specs, str) else list(specs)
-    out: list[Strategy] = []
-    for s in items:
-        if not s.strip():
-            continue
-        st = parse_strategy(s)
-        if st not in out:
-            out.append(st)
-    if not out:
-        raise ValueError("No strategies given: use e.g. standard,static:3,confadapt:0.9.")
-    return out
-
-
 # --------------------------------------------------------------------------- scoring
 @torch.inference_mode()
 def teacher_nll(lm: LoadedModel, prompt_ids: Sequence[int], answer_ids: Sequence[int]) -> tuple[float, int]:
@@ -145,13 +127,6 @@ def teacher_nll(lm: LoadedModel, prompt_ids: Sequence[int], answer_ids: Sequence
     target = ids[0, -n:]
     nll = -logp.gather(1, target[:, None]).sum().item()
     return float(nll), n
-
-
-def _run(lm: LoadedModel, prompt_ids: list[int], strategy: Strategy, max_new_tokens: int) -> GenerationResult:
-    dec = Decoder(lm, prompt_ids, strategy, max_new_tokens)
-    for _ in dec:
-        pass
-    return dec.result()
 
 
 def _stderr(p: float, n: int) -> float:
@@ -238,7 +213,7 @@ def evaluate(
         base_text: str | None = None
         if base_lm is not None:
             with lm.base_model():
-                res = _run(base_lm, prompt_ids, standard(), max_new_tokens)
+                res = run(base_lm, prompt_ids, standard(), max_new_tokens)
             base_text = res.text
             rec = _record(lm, prompt_ids, res, prob["gold"], None, base_text)
             rec["same_as_standard"] = rec["same_answer_as_standard"] = True
@@ -247,7 +222,7 @@ def evaluate(
             bar.update()
         std_text = std_answer = None
         for s in strategies:
-            res = _run(lm, prompt_ids, s, max_new_tokens)
+            res = run(lm, prompt_ids, s, max_new_tokens)
             if s.name == "standard":
                 std_text, std_answer = res.text, extract_answer(res.text)
             rec = _record(lm, prompt_ids, res, prob["gold"], (std_text, std_answer),
@@ -417,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "writes --out (default: overwrite REPORT.json) and its figure")
     p.add_argument("--limit", type=int, default=None, help="first N problems (default: all)")
     p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
-                   help="comma-separated: standard, static:K, confadapt:TAU[:K_MAX]")
+                   help=f"comma-separated: {SPEC_HELP}")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--step-by-step", action="store_true", help=f"append '{STEP_BY_STEP}' to each question")
     p.add_argument("--out", default=OUT_DEFAULT, help="JSON path; the figure goes next to it (.html, .png)")
@@ -456,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         if out.suffix.lower() != ".json":
             raise ValueError(f"--out must name a .json file, got {out}.")
         lm = load_checkpoint(args.model, device=args.device, dtype=args.dtype, adapter=not args.no_adapter)
+        strategies = parse_strategies(args.strategies, lm.default_k_max)  # K_MAX omitted: the model's default
     except (ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -38,7 +38,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from .checkpoint import DEFAULT_SOURCE, LoadedModel, load_checkpoint
-from .decoding import Decoder, check_max_new_tokens, make_strategy
+from .decoding import Decoder
+from .strategies import DEFAULT_STATIC_K, DEFAULT_TAU, check_max_new_tokens, make_strategy
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +58,10 @@ class MTPLM(LM):
 
     Args:
         pretrained: a model source (str) or an already loaded :class:`LoadedModel`.
-        strategy: ``"confadapt"`` (default), ``"static"`` or ``"standard"``.
+        strategy: ``"confadapt"`` (default), ``"static"``, ``"verify"`` or ``"standard"``.
         threshold: ConfAdapt tau in [0, 1] (alias ``tau``).
-        k_max: proposals per forward pass (ConfAdapt).
+        k_max: proposals per forward pass (ConfAdapt, verify); default: the adapter's trained
+            k_max, else :data:`model.strategies.DEFAULT_K_MAX`.
         k: block size for static k.
         max_gen_toks: default cap on generated tokens (a task's ``max_gen_toks`` wins).
         device, dtype, adapter: passed to :func:`load_checkpoint` (``device=None`` -> auto).
@@ -80,8 +82,8 @@ class MTPLM(LM):
         strategy: str = "confadapt",
         threshold: float | None = None,
         tau: float | None = None,
-        k_max: int = 16,
-        k: int = 3,
+        k_max: int | None = None,
+        k: int = DEFAULT_STATIC_K,
         max_gen_toks: int = 256,
         device: str | None = None,
         dtype: str = "auto",
@@ -94,9 +96,9 @@ class MTPLM(LM):
         super().__init__()
         if kwargs:
             raise ValueError(f"Unknown model_args for mtp: {', '.join(sorted(kwargs))}.")
-        tau_value = threshold if threshold is not None else (tau if tau is not None else 0.9)
-        self.strategy = make_strategy(str(strategy), tau=float(tau_value), k_max=int(k_max), k=int(k))
-        self.max_gen_toks = check_max_new_tokens(int(max_gen_toks))
+        tau_value = threshold if threshold is not None else (tau if tau is not None else DEFAULT_TAU)
+        make_strategy(strategy, tau=tau_value, k_max=k_max or 1, k=k)  # bad arguments fail before loading
+        self.max_gen_toks = check_max_new_tokens(max_gen_toks)
         if isinstance(pretrained, LoadedModel):
             self.lm = pretrained
         else:
@@ -104,6 +106,7 @@ class MTPLM(LM):
                 device = "cpu"  # the harness passes --device verbatim
             self.lm = load_checkpoint(str(pretrained), device=device or "auto", dtype=dtype, adapter=_bool(adapter))
         self._device = self.lm.device
+        self.strategy = make_strategy(strategy, tau=tau_value, k_max=k_max or self.lm.default_k_max, k=k)
         self.stats_file = stats_file
         self.stats: dict[str, Any] = {"strategy": self.strategy.spec, "requests": 0, "new_tokens": 0,
                                       "forward_passes": 0, "effective_k": 0.0, "seconds": 0.0,

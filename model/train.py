@@ -47,6 +47,7 @@ import torch
 
 from .adapter_format import MTPMeta, load_mask_rows, read_meta, save_mtp_checkpoint
 from .checkpoint import DEFAULT_MASK_TOKEN, DEFAULT_SOURCE, PROMPT_FORMATS, CheckpointError, LoadedModel, load_checkpoint
+from .strategies import DEFAULT_K_MAX, MAX_K_MAX
 from .layout import build_layout, build_span_layout, default_num_regions, place_regions, sample_block
 from .objective import alora_objective, mtp_objective
 from .train_data import DataError, Example, encode, load_examples, read_jsonl, write_jsonl
@@ -70,7 +71,7 @@ class TrainConfig:
     batch_size: int = 8
     grad_accum: int = 1
     seq_len: int = 160
-    k_max: int = 16
+    k_max: int = DEFAULT_K_MAX
     num_regions: int | None = None
     spacing: int | None = None
     lr: float = 1e-5
@@ -118,8 +119,8 @@ class TrainConfig:
         for name in ("max_steps", "batch_size", "grad_accum", "save_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be ≥ 1.")
-        if not 2 <= self.k_max <= 64:
-            raise ValueError(f"--k-max must be in [2, 64], got {self.k_max}.")
+        if not 2 <= self.k_max <= MAX_K_MAX:
+            raise ValueError(f"--k-max must be in [2, {MAX_K_MAX}], got {self.k_max}.")
         if self.seq_len < 4:
             raise ValueError("--seq-len must be ≥ 4.")
         if self.warmup < 0 or self.lr <= 0:
