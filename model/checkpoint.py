@@ -45,6 +45,52 @@ PROMPT_FORMATS = ("chat", "bos_newlines")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
+class _FastState:
+    """The fast path's inference structures for one model object, shared by ``dataclasses.replace``
+    copies of a :class:`LoadedModel`, and the adapter-off depth of :meth:`LoadedModel.base_model`."""
+
+    def __init__(self, adapter_off: int = 0) -> None:
+        self.engine: Any = None
+        self.model: Any = None  # the model object that engine (or reason) belongs to
+        self.signature: tuple[int, int, int] | None = None
+        self.reason: str | None = "not built yet"
+        self.adapter_off = adapter_off
+
+    def engine_for(self, model: Any) -> Any:
+        """The engine of ``model``; built again when the model object or its weights changed (an
+        optimizer step bumps the tensors' versions; a swapped tensor changes its address)."""
+        sig = _weights_signature(model)
+        if self.model is model and self.signature == sig:
+            return self.engine
+        from .fast_forward import Unsupported, build_engine
+
+        self.engine, self.model, self.signature = None, model, sig
+        try:
+            self.engine = build_engine(model)
+            self.reason = None
+        except Unsupported as e:
+            self.reason = str(e)
+            log.info("Fast forward path not used: %s", e)
+        return self.engine
+
+
+def _is_peft(model: Any) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def _weights_signature(model: Any) -> tuple[int, int, int]:
+    """(count, sum of versions, sum of addresses) of the model's parameters: changes when a weight is
+    modified in place or replaced."""
+    n = version = address = 0
+    for p in model.parameters():
+        n += 1
+        version += p._version
+        address += p.data_ptr()
+    return n, version, address
+
+
 @dataclass
 class LoadedModel:
     """A causal LM ready for MTP decoding or training.
@@ -63,6 +109,8 @@ class LoadedModel:
         device: where the weights live.
         trained_k_max: the largest block size the MTP adapter was trained with (from its
             metadata), a sensible default k_max for decoding; None when unknown.
+        fast: run decoding passes through :mod:`model.fast_forward` when it supports the model
+            (default); False: always the library path (transformers, with peft for adapters).
     """
 
     model: Any
@@ -76,7 +124,10 @@ class LoadedModel:
     warnings: list[str] = field(default_factory=list)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     trained_k_max: int | None = None
+    fast: bool = True
     _token_bytes: Any = field(default=None, repr=False, compare=False)
+    # Shared by dataclasses.replace() copies of this object (same model, same inference structures).
+    _fast: "_FastState" = field(default_factory=lambda: _FastState(), repr=False, compare=False)
 
     @property
     def token_bytes(self) -> Any:
@@ -101,11 +152,140 @@ class LoadedModel:
         n = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
         return n if isinstance(n, int) and n > 0 else None
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the weights compute in (``torch.bfloat16``, ``torch.float32``, ...)."""
+        dt = getattr(self.model, "dtype", None)
+        return dt if isinstance(dt, torch.dtype) else next(self.model.parameters()).dtype
+
+    @property
+    def dtype_name(self) -> str:
+        """``"bfloat16"``, ``"float32"``, ... (for headers and reports)."""
+        return str(self.dtype).replace("torch.", "")
+
+    def fast_engine(self) -> Any:
+        """The :class:`model.fast_forward.FastForward` of this model, built on first use and rebuilt when
+        the model object or its weights changed since; None when the fast path is off, the model is in
+        training mode, or the fast path does not support it (:attr:`forward_path` says why)."""
+        if not self.fast or os.environ.get("MTP_FAST") == "0":
+            return None
+        model = self.model
+        if getattr(model, "training", False):
+            return None
+        if self._fast.model is not None and self._fast.model is not model:
+            # replace(lm, model=other) copied the state of another model: this object gets its own.
+            self._fast = _FastState(adapter_off=self._fast.adapter_off)
+        return self._fast.engine_for(model)
+
+    @property
+    def forward_path(self) -> str:
+        """Which implementation :meth:`forward` uses for decoding, in words (CLI, benchmark, app header)."""
+        engine = self.fast_engine()
+        if engine is not None:
+            return engine.describe()
+        if not self.fast or os.environ.get("MTP_FAST") == "0":
+            return "library path (transformers + peft): fast path switched off"
+        if getattr(self.model, "training", False):
+            return "library path (transformers + peft): model in training mode"
+        return f"library path (transformers + peft): {self._fast.reason}"
+
     def new_cache(self) -> Any:
-        """An empty KV cache for :meth:`forward` (a transformers ``DynamicCache``)."""
+        """An empty KV cache for :meth:`forward`: a :class:`model.fast_forward.KVCache` on the fast
+        path, else a transformers ``DynamicCache``. Either has ``get_seq_length()``, ``crop(n)`` and
+        ``layers[i].keys`` / ``.values``."""
+        engine = self.fast_engine()
+        if engine is not None:
+            return engine.new_cache()
         from transformers import DynamicCache
 
         return DynamicCache(config=getattr(self.model, "config", None))
+
+    def _adapter_rows(self, num_tokens: int, num_masks: int) -> int:
+        """Rows of a pass that run through the MTP adapter: the trailing masks for aLoRA, all for LoRA,
+        none without an adapter or inside :meth:`base_model`."""
+        if self.adapter is None or self._fast.adapter_off:
+            return 0
+        return num_masks if self.adapter == "alora" else num_tokens
+
+    # ---------------------------------------------------------------- forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        past_key_values: Any,
+        num_masks: int,
+        logits_to_keep: int,
+    ) -> torch.Tensor:
+        """One forward pass over ``input_ids`` appended to the KV cache.
+
+        Real tokens run on the base weights with an activated (aLoRA) adapter: only the trailing
+        ``num_masks`` rows get the adapter's delta; a LoRA adapter acts on every row. A cache from
+        :meth:`new_cache` decides the implementation: the fast path (:mod:`model.fast_forward`) for
+        its ``KVCache``, the library path (transformers + peft) for a transformers ``Cache``. Both
+        give the same logits (bit for bit on the base weights; within bf16/fp32 rounding on adapter
+        rows, see tests/test_fast_forward.py). The fast path runs without autograd.
+
+        Args:
+            input_ids: ``[1, T]`` long tensor: the real tokens not yet cached, then
+                ``num_masks`` mask tokens.
+            past_key_values: a cache from :meth:`new_cache`; extended in place by ``T`` entries.
+            num_masks: how many trailing inputs are mask tokens (for activated adapters).
+            logits_to_keep: how many trailing positions need logits.
+
+        Returns:
+            ``[1, logits_to_keep, V]`` logits (model dtype).
+        """
+        from .fast_forward import KVCache
+
+        if isinstance(past_key_values, KVCache):
+            engine = past_key_values.engine
+            if engine is None or engine.source is not self.model:
+                raise RuntimeError("This KV cache was made for another model; start a new generation "
+                                   "(lm.new_cache()).")
+            with torch.no_grad():
+                return engine.forward(input_ids, past_key_values, self._adapter_rows(input_ids.shape[1], num_masks),
+                                      logits_to_keep)
+        rows = self._adapter_rows(input_ids.shape[1], num_masks)
+        kwargs: dict[str, Any] = {}
+        ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if _is_peft(self.model):
+            if rows == 0:  # the base weights: peft's adapter off for this pass (unless base_model() did it)
+                if not self._fast.adapter_off:
+                    ctx = self.model.disable_adapter()
+            elif self.adapter == "alora":
+                kwargs["alora_offsets"] = [num_masks]
+        with ctx:
+            out = self.model(
+                input_ids=input_ids,
+                past_key_values=past_key_values,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            )
+        return out.logits
+
+    @contextlib.contextmanager
+    def base_model(self) -> Iterator[Any]:
+        """Context in which the model runs with any MTP adapter disabled (the teacher): calls of
+        ``self.model`` (peft's ``disable_adapter``) and :meth:`forward` on either path.
+
+        Yields the model. Without an adapter this is the model itself (unchanged).
+        """
+        if self.adapter is None:
+            yield self.model
+            return
+        self._fast.adapter_off += 1
+        try:
+            with self.model.disable_adapter():
+                yield self.model
+        finally:
+            self._fast.adapter_off -= 1
+
+    def without_adapter(self) -> "LoadedModel":
+        """A view of this model that decodes with the base weights only (shares the weights and
+        the fast path's structures): ``dataclasses.replace(self, adapter=None)``."""
+        import dataclasses
+
+        return dataclasses.replace(self, adapter=None)
 
     # ------------------------------------------------------------------ prompts
     def prompt_ids(self, messages: str | Sequence[dict]) -> list[int]:
@@ -141,55 +321,6 @@ class LoadedModel:
             ids = [tok.bos_token_id] + ids
         return ids
 
-    # ---------------------------------------------------------------- forward
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        past_key_values: Any,
-        num_masks: int,
-        logits_to_keep: int,
-    ) -> torch.Tensor:
-        """One forward pass over ``input_ids`` appended to the KV cache.
-
-        Args:
-            input_ids: ``[1, T]`` long tensor: the real tokens not yet cached, then
-                ``num_masks`` mask tokens.
-            past_key_values: a transformers ``Cache``; extended in place by ``T`` entries.
-            num_masks: how many trailing inputs are mask tokens (for activated adapters).
-            logits_to_keep: how many trailing positions need logits.
-
-        Returns:
-            ``[1, logits_to_keep, V]`` logits (model dtype).
-        """
-        kwargs: dict[str, Any] = {}
-        ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
-        if self.adapter == "alora":
-            if num_masks == 0:
-                ctx = self.model.disable_adapter()
-            else:
-                kwargs["alora_offsets"] = [num_masks]
-        with ctx:
-            out = self.model(
-                input_ids=input_ids,
-                past_key_values=past_key_values,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-                **kwargs,
-            )
-        return out.logits
-
-    @contextlib.contextmanager
-    def base_model(self) -> Iterator[Any]:
-        """Context in which ``self.model`` runs with any MTP adapter disabled (the teacher).
-
-        Yields the model. Without an adapter this is the model itself (unchanged).
-        """
-        if self.adapter is None:
-            yield self.model
-        else:
-            with self.model.disable_adapter():
-                yield self.model
-
     @property
     def vocab_size(self) -> int:
         """Rows of the output embedding (``V``), mask token included."""
@@ -223,12 +354,17 @@ def native_bf16(device: str | torch.device = "cpu") -> bool:
         return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """``"auto"`` -> bfloat16 on CUDA, float32 on CPU; also accepts names like ``"float64"``."""
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device = "cpu") -> torch.dtype:
+    """``"auto"`` -> bfloat16 where ``device`` computes it natively (:func:`native_bf16`: CUDA with bf16,
+    a CPU with AVX512-BF16 / AMX), float32 elsewhere; also accepts names like ``"float64"``.
+
+    Raises:
+        CheckpointError: an unknown name.
+    """
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if native_bf16(device) else torch.float32
     try:
         value = getattr(torch, str(dtype))
     except AttributeError:
@@ -410,7 +546,8 @@ def load_checkpoint(
         source: ``"smollm2-135m"``, a local model / adapter directory, a ``.gguf`` file or a hub id.
         mask_token: name of the mask token; added (untrained) when the checkpoint lacks it.
         device: ``"auto"`` (CUDA if present, else CPU), ``"cpu"``, ``"cuda:0"``, ...
-        dtype: ``"auto"`` (bfloat16 on CUDA, float32 on CPU) or a torch dtype / its name.
+        dtype: ``"auto"`` (bfloat16 where the device computes it natively — CUDA, CPUs with
+            AVX512-BF16 or AMX — else float32; :func:`resolve_dtype`) or a torch dtype / its name.
         quantization: ``None``, ``"4bit"`` or ``"8bit"`` (bitsandbytes; CUDA only).
         prompt_format: ``"chat"`` or ``"bos_newlines"``; default: chat when the tokenizer has a
             chat template, else bos_newlines (an adapter's metadata may set it).

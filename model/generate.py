@@ -4,8 +4,9 @@
         --threshold 0.9 --k-max 16 --max-new-tokens 128 [--json]
 
 Without ``--json`` the answer streams to stdout, blocks separated by ``|`` when ``--show-blocks``
-is given, followed by a summary line on stderr. With ``--json`` it prints one JSON object:
-``text``, ``new_tokens``, ``forward_passes``, ``effective_k``, ``seconds``, ``passes``.
+is given, followed by a summary line on stderr (with the dtype and the forward path that ran). With
+``--json`` it prints one JSON object: ``text``, ``new_tokens``, ``forward_passes``, ``effective_k``,
+``seconds``, ``passes``, ``dtype``, ``forward_path``.
 Bad arguments exit with status 2 and a one-line message.
 """
 
@@ -32,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=DEFAULT_STATIC_K, help="block size for --strategy static")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bfloat16 where the device computes it natively, else float32), float32, bfloat16, ...")
     p.add_argument("--quantization", choices=["none", "4bit", "8bit"], default="none")
     p.add_argument("--no-adapter", action="store_true", help="smollm2-135m without the MTP adapter in assets/")
     p.add_argument("--show-blocks", action="store_true", help="separate accepted blocks with |")
@@ -67,12 +69,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     res = dec.result()
     if args.json:
-        print(json.dumps(res.to_dict(), ensure_ascii=False, allow_nan=False))
+        obj = res.to_dict()
+        obj["dtype"], obj["forward_path"] = lm.dtype_name, lm.forward_path
+        print(json.dumps(obj, ensure_ascii=False, allow_nan=False))
     else:
         print()
         print(f"[{strategy.label}] {res.new_tokens} tokens in {res.forward_passes} forward passes, "
-              f"effective k {res.effective_k:.2f}, {res.seconds:.2f} s, {res.tokens_per_second:.1f} tokens/s",
-              file=sys.stderr)
+              f"effective k {res.effective_k:.2f}, {res.seconds:.2f} s, {res.tokens_per_second:.1f} tokens/s "
+              f"({lm.dtype_name}; {lm.forward_path})", file=sys.stderr)
     return 0
 
 

@@ -35,9 +35,11 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
-    """The real SmolLM2-135M-Instruct base (GGUF), mask token added, no adapter. Read-only use!"""
+    """The real SmolLM2-135M-Instruct base (GGUF), mask token added, no adapter, in **float32**
+    (explicitly: dtype "auto" is bfloat16 on CPUs with native bf16, and the exactness tests here —
+    KV cache == fresh prefill at 1e-3, HF generate token for token — are float32 checks). Read-only use!"""
     try:
-        return load_checkpoint("smollm2-135m", adapter=False)
+        return load_checkpoint("smollm2-135m", adapter=False, dtype="float32")
     except Exception as e:  # package missing: integration tests cannot run
         pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
 
