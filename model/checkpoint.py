@@ -32,6 +32,7 @@ import torch
 
 from .adapter_format import MTPMeta, is_mtp_dir, load_mask_rows, read_meta
 from .errors import CheckpointError
+from .text import chat_prompt_ids, encode_literal
 
 log = logging.getLogger(__name__)
 
@@ -120,23 +121,31 @@ class LoadedModel:
             The prompt as a list of token ids (``prompt_len`` tokens), formatted with the
             model's prompt format and ending where the assistant's answer begins.
 
+        Message contents are text, never markup: a message that spells a special token (the mask
+        token, ``<|im_end|>``, ...) is tokenised as those characters (:mod:`model.text`).
+
         Raises:
-            ValueError: empty prompt, or a history whose last turn is not the user's.
+            ValueError: empty prompt, a malformed message, a history whose last turn is not the
+                user's, or a chat template that rewrites message text.
         """
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         messages = list(messages)
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(
+                    m.get("content"), str):
+                raise ValueError("Each message must be {'role': 'system' | 'user' | 'assistant', 'content': text}, "
+                                 f"got {str(m)[:80]!r}.")
         if not messages or messages[-1].get("role") != "user":
             raise ValueError("The prompt must end with a user message.")
         if not str(messages[-1].get("content", "")).strip():
             raise ValueError("The prompt is empty: type a question first.")
         tok = self.tokenizer
         if self.prompt_format == "chat" and getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return tok(text, add_special_tokens=False)["input_ids"]
-        # bos_newlines: bos + question + "\n\n" (turns joined the same way)
-        text = "".join(str(m["content"]) + "\n\n" for m in messages)
-        ids = tok(text, add_special_tokens=False)["input_ids"]
+            return chat_prompt_ids(tok, [{"role": m.get("role"), "content": str(m.get("content", ""))}
+                                         for m in messages])
+        # bos_newlines: bos + question + "\n\n" (turns joined the same way); no markup but the BOS id
+        ids = encode_literal(tok, "".join(str(m["content"]) + "\n\n" for m in messages))
         if tok.bos_token_id is not None:
             ids = [tok.bos_token_id] + ids
         return ids
@@ -457,6 +466,9 @@ def load_checkpoint(
         model, tokenizer = _load_hf(str(path), gguf_file=None, device=dev, dtype=dt, quantization=quantization)
     elif path.is_file() and path.suffix == ".gguf":
         model, tokenizer = _load_hf(str(path.parent), gguf_file=path.name, device=dev, dtype=dt, quantization=quantization)
+    elif path.is_file():
+        raise CheckpointError(f"{source} exists but is not a model: give a Hugging Face model directory "
+                              "(config.json), an MTP adapter directory (mtp_adapter.json) or a .gguf file.")
     elif source.startswith((".", "/", "~")) or source.count("/") > 1 or path.suffix == ".gguf":
         raise CheckpointError(f"No such local model: {source} does not exist.")
     elif _HUB_ID.match(source):

@@ -43,6 +43,15 @@ def smollm2() -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def smollm2_adapter() -> LoadedModel:
+    """The embedded default as users get it: SmolLM2-135M-Instruct + the MTP adapter in assets/. Read-only use!"""
+    try:
+        return load_checkpoint("smollm2-135m")
+    except Exception as e:  # package missing: integration tests cannot run
+        pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
 def base_tokenizer(smollm2):
     """A private copy of the real SmolLM2 tokenizer (49152 tokens + the mask token)."""
     return copy.deepcopy(smollm2.tokenizer)
