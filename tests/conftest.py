@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-GSM8K_DIR = ROOT.parent / "shared" / "data" / "gsm8k"
+GSM8K_SAMPLE = ROOT / "assets" / "gsm8k_test_sample.jsonl"  # 20 GSM8K test problems (MIT), in the repository
 
 from model.checkpoint import LoadedModel, load_checkpoint, wrap_model  # noqa: E402
 
@@ -94,11 +94,3 @@ def tiny_lm64(base_tokenizer) -> LoadedModel:
     """The same tiny Llama in float64 (exact-equivalence tests)."""
     tok = copy.deepcopy(base_tokenizer)
     return wrap_model(make_tiny(tok, dtype=torch.float64), tok, source="tiny-llama-f64")
-
-
-def gsm8k_path(split: str = "test") -> Path:
-    """../shared/data/gsm8k/{split}.jsonl, or skip the test when absent."""
-    p = GSM8K_DIR / f"{split}.jsonl"
-    if not p.is_file():
-        pytest.skip(f"{p} not present")
-    return p
