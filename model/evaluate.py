@@ -1,6 +1,6 @@
 """GSM8K evaluation: accuracy against effective k for several decoding strategies (paper 4.5).
 
-    python -m model.evaluate --model smollm2-135m --data ../shared/data/gsm8k/test.jsonl --limit 20 \\
+    python -m model.evaluate --model smollm2-135m --data gsm8k_test.jsonl --limit 20 \\
         --strategies standard,static:2,static:3,static:4,confadapt:0.95,confadapt:0.9,confadapt:0.8,confadapt:0.7 \\
         --max-new-tokens 192 --out runs/eval/smollm2.json
 
@@ -40,11 +40,12 @@ from tqdm import tqdm
 
 from .answers import extract_answer, extract_gold, is_correct
 from .checkpoint import DEFAULT_SOURCE, CheckpointError, LoadedModel, load_checkpoint
-from .decoding import GenerationResult, run
+from .decoding import GenerationResult, NonFiniteLogitsError, run
 from .strategies import SPEC_HELP, Strategy, check_max_new_tokens, parse_strategies, parse_strategy, standard
 
 STEP_BY_STEP = "Let's think step by step."
-DEFAULT_STRATEGIES = "standard,static:2,static:3,static:4,confadapt:0.95,confadapt:0.9,confadapt:0.8,confadapt:0.7"
+DEFAULT_STRATEGIES = (
+    "standard,static:2,static:3,static:4,confadapt:0.95,confadapt:0.9,confadapt:0.8,confadapt:0.7,verify")
 CHROMIUM = "/usr/bin/chromium"
 OUT_DEFAULT = "runs/eval/eval.json"
 
@@ -457,8 +458,12 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(json.dumps(rep, indent=1, ensure_ascii=False, allow_nan=False))
         tmp.replace(out)
 
-    report = evaluate(lm, problems, strategies, max_new_tokens=args.max_new_tokens,
-                      step_by_step=args.step_by_step, progress=not args.no_progress, on_problem=save)
+    try:
+        report = evaluate(lm, problems, strategies, max_new_tokens=args.max_new_tokens,
+                          step_by_step=args.step_by_step, progress=not args.no_progress, on_problem=save)
+    except (ValueError, NonFiniteLogitsError) as e:  # a too-long problem, a broken model: the partial report stays
+        print(f"error: {e} (results so far: {out})", file=sys.stderr)
+        return 2 if isinstance(e, ValueError) else 1
     report["config"].update(data=str(args.data), wall_seconds=time.perf_counter() - t0,
                             torch_threads=torch.get_num_threads())
     fig_paths = write_figure(report, out)
