@@ -87,6 +87,7 @@ class TrainConfig:
     soft_teacher: bool = False
     save_every: int = 500
     keep_checkpoints: int = 2
+    compact_checkpoints: bool = False
     resume: str | None = None
     init_adapter: str | None = None
     seed: int = 0
@@ -566,12 +567,47 @@ def train_step(run: Run) -> dict:
             "mixed_precision": acc.mixed_precision}
 
 
+def _trainable_only(run: Run) -> Any:
+    """accelerate save hook: an adapter run's checkpoint holds its trainable weights only (the frozen
+    base, ~0.5 GB for SmolLM2, is reloaded from its source on resume)."""
+    trainable = {n for n, p in run.bare.named_parameters() if p.requires_grad}
+
+    def hook(models: list, weights: list, output_dir: str) -> None:
+        for i, sd in enumerate(weights):
+            # names as the prepared module saw them (a DDP wrapper adds "module.")
+            weights[i] = {k: v for k, v in sd.items() if k.removeprefix("module.") in trainable}
+
+    return hook
+
+
+def _compact_optimizer_file(d: Path) -> None:
+    """``--compact-checkpoints``: AdamW moments stored in bf16 (half the size; torch casts them back to
+    the parameters' dtype on load, so a resume continues closely but not bit for bit)."""
+    f = d / "optimizer.bin"
+    if not f.is_file():
+        return
+    sd = torch.load(f, weights_only=False)
+    for st in sd.get("state", {}).values():
+        for key, v in st.items():
+            if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0:
+                st[key] = v.to(torch.bfloat16)
+    torch.save(sd, f)
+
+
 def save_checkpoint(run: Run) -> Path:
     """``output/checkpoint-STEP``: accelerate state (weights, optimizer, scheduler, RNG of every
     process) + ``trainer_state.json`` (step, training CPU seconds, config); older checkpoints beyond
-    ``--keep-checkpoints`` go."""
+    ``--keep-checkpoints`` go. Adapter runs save their trainable weights only (~20 MB + ~40 MB of
+    AdamW moments for r16 on SmolLM2; ``--compact-checkpoints``: moments in bf16)."""
     acc, d = run.accelerator, run.output / f"checkpoint-{run.step}"
-    acc.save_state(str(d))
+    handle = acc.register_save_state_pre_hook(_trainable_only(run)) if run.setup.kind != "full" else None
+    try:
+        acc.save_state(str(d))
+    finally:
+        if handle is not None:
+            handle.remove()
+    if run.main and run.cfg.compact_checkpoints:
+        _compact_optimizer_file(d)
     if run.main:
         state = {"step": run.step, "cpu_seconds": run.cpu_seconds, "config": asdict(run.cfg)}
         (d / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
@@ -585,7 +621,8 @@ def resume_run(run: Run, resume_dir: Path | None) -> None:
     """Load a checkpoint written by :func:`save_checkpoint` into the run (nothing when None)."""
     if resume_dir is None:
         return
-    run.accelerator.load_state(str(resume_dir))
+    # strict=False: an adapter run's checkpoint holds only the trainable weights (_trainable_only).
+    run.accelerator.load_state(str(resume_dir), strict=run.setup.kind == "full")
     state = json.loads((resume_dir / STATE_FILE).read_text())
     run.step, run.cpu_seconds = state["step"], float(state.get("cpu_seconds", 0.0))
     if run.main:
@@ -719,6 +756,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--soft-teacher", action="store_true", help="match the teacher's distribution instead of its argmax")
     a("--save-every", type=int, default=d.save_every, help="steps between resumable checkpoints")
     a("--keep-checkpoints", type=int, default=d.keep_checkpoints)
+    a("--compact-checkpoints", action="store_true",
+      help="store AdamW moments in bf16 (half the size; resume is close, not bit-exact)")
     a("--resume", default=None, help="checkpoint dir, run dir, or 'auto' (latest in --output)")
     a("--init-adapter", default=None, help="start from a saved lora/alora adapter directory")
     a("--seed", type=int, default=d.seed)

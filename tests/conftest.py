@@ -67,6 +67,19 @@ def make_tiny(tokenizer, arch: str = "llama", dtype=torch.float32, seed: int = 0
     return model
 
 
+def make_tiny_untied(tok, dtype=torch.float32):
+    """make_tiny with ordinary-scale embeddings and an untied random LM head: its greedy answers
+    depend on the whole prompt (the tied x20 embeddings of make_tiny just repeat the last token)."""
+    model = make_tiny(tok, dtype=dtype)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        w = model.get_input_embeddings().weight
+        w.div_(20.0)
+        model.lm_head.weight = torch.nn.Parameter(torch.randn(w.shape, generator=g, dtype=dtype))
+    model.config.tie_word_embeddings = False
+    return model
+
+
 @pytest.fixture
 def tiny_lm(base_tokenizer) -> LoadedModel:
     """A fresh tiny Llama (float32) wrapped with the real tokenizer; mask token present."""

@@ -14,7 +14,7 @@ from model.decoding import Decoder, standard
 from model.self_answers import as_examples, greedy_answers, main, write_answers
 from model.train import TrainConfig, mix_reference, train
 from model.train_data import Example, load_examples
-from tests.conftest import make_tiny
+from tests.conftest import make_tiny_untied
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -27,22 +27,9 @@ def tiny_model_dir(tmp_path_factory, base_tokenizer):
     """A local HF model directory: a tiny random Llama + the real SmolLM2 tokenizer."""
     d = tmp_path_factory.mktemp("tiny") / "model"
     tok = copy.deepcopy(base_tokenizer)
-    _prompt_sensitive_tiny(tok, torch.float32).save_pretrained(str(d))
+    make_tiny_untied(tok, torch.float32).save_pretrained(str(d))
     tok.save_pretrained(str(d))
     return d
-
-
-def _prompt_sensitive_tiny(tok, dtype):
-    """make_tiny with ordinary-scale embeddings and an untied random LM head: its greedy answers
-    depend on the whole prompt (the tied x20 embeddings of make_tiny just repeat the last token)."""
-    model = make_tiny(tok, dtype=dtype)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        w = model.get_input_embeddings().weight
-        w.div_(20.0)
-        model.lm_head.weight = torch.nn.Parameter(torch.randn(w.shape, generator=g, dtype=dtype))
-    model.config.tie_word_embeddings = False
-    return model
 
 
 def _unbatched(lm, prompt_ids, n):
@@ -58,7 +45,7 @@ def test_batched_answers_equal_unbatched_greedy(base_tokenizer, dtype):
     answer (standard decoding) and generate's answer for the prompt alone; prompts of different
     lengths (2 to 30+ tokens of padding) in one batch."""
     tok = copy.deepcopy(base_tokenizer)
-    lm = wrap_model(_prompt_sensitive_tiny(tok, dtype), tok, source="tiny")
+    lm = wrap_model(make_tiny_untied(tok, dtype), tok, source="tiny")
     ids = [lm.prompt_ids(p) for p in PROMPTS]
     assert max(map(len, ids)) - min(map(len, ids)) > 10
     batched = greedy_answers(lm, ids, 12)
@@ -72,7 +59,7 @@ def test_stop_token_ends_the_answer(base_tokenizer):
     """An answer ends at the first stop token (included in the ids, marked stopped in the file, left
     out of the text); the mask token is never generated."""
     tok = copy.deepcopy(base_tokenizer)
-    lm = wrap_model(_prompt_sensitive_tiny(tok, torch.float64), tok, source="tiny")
+    lm = wrap_model(make_tiny_untied(tok, torch.float64), tok, source="tiny")
     ids = lm.prompt_ids(PROMPTS[1])
     free = greedy_answers(lm, [ids], 8)[0]
     # Make the 3rd greedy token a stop token: it is the one the model would emit there anyway.
@@ -87,7 +74,7 @@ def test_answer_file_resumes_and_trains(base_tokenizer, tmp_path):
     redoing the others; load_examples reads it (prompt/response) and the trainer trains on it; the
     reference mix swaps a share of rows to their reference answers."""
     tok = copy.deepcopy(base_tokenizer)
-    lm = wrap_model(_prompt_sensitive_tiny(tok, torch.float32), tok, source="tiny")
+    lm = wrap_model(make_tiny_untied(tok, torch.float32), tok, source="tiny")
     examples = [Example(p, f"reference {i}") for i, p in enumerate(PROMPTS)]
     path = tmp_path / "answers.jsonl"
     rows3 = write_answers(lm, examples, path, limit=3, batch_size=2, max_new_tokens=6, show_progress=False)
@@ -147,3 +134,40 @@ def test_cli_and_trainer_self_distill(tmp_path, tiny_model_dir):
     mine = {r["index"]: r["response"] for r in rows}
     theirs = {json.loads(x)["index"]: json.loads(x)["response"] for x in (run / "self_answers.jsonl").read_text().splitlines()}
     assert theirs == mine  # one generator: the same answers through the trainer and the CLI
+
+
+def test_default_recipe_script_runs_tiny_and_resumes(tmp_path, tiny_model_dir):
+    """scripts/train_default.sh end to end on a tiny model (the GPU path with tiny settings, on the
+    CPU): answers, training, one compact checkpoint + final in OUT; a rerun with more steps resumes
+    from that checkpoint and reuses the answers; DRY_RUN=1 GPU=1 prints the GPU commands."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps({"question": p, "answer": "#### 1"}) + "\n" for p in PROMPTS))
+    out, answers = tmp_path / "out", tmp_path / "answers" / "a.jsonl"
+    env = {**os.environ, "PY": sys.executable, "BASE": str(tiny_model_dir), "DATA": str(data), "OUT": str(out),
+           "ANSWERS_FILE": str(answers), "CONTINUE": "0", "ANSWERS": "4", "MAX_NEW": "6", "MAX_STEPS": "2",
+           "BATCH": "2", "SEQ_LEN": "64", "SAVE_EVERY": "1", "GPU": "0", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    script = str(ROOT / "scripts" / "train_default.sh")
+    r = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(x) for x in answers.read_text().splitlines()]
+    assert sorted(x["index"] for x in rows) == [0, 1, 2, 3]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "final", "train_log.jsonl"]
+    opt = torch.load(out / "checkpoint-2" / "optimizer.bin", weights_only=False)["state"]
+    assert all(st["exp_avg"].dtype == torch.bfloat16 for st in opt.values())  # compact checkpoint
+    r = subprocess.run(["bash", script], env={**env, "MAX_STEPS": "3"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stderr and "greedy answers" not in r.stderr  # nothing left to generate
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in log] == [1, 2, 3]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-3", "final", "train_log.jsonl"]
+    assert (out / "final" / "mtp_adapter.json").is_file()
+    assert json.loads((out / "final" / "mtp_adapter.json").read_text())["adapter"] == "alora"
+    dry = subprocess.run(["bash", script], env={**env, "DRY_RUN": "1", "GPU": "1", "BATCH": "", "MINUTES": "90"},
+                         capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0 and "--batch-size 64" in dry.stdout and "--max-minutes 90" in dry.stdout
