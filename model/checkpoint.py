@@ -213,25 +213,6 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     return torch.device(device)
 
 
-def native_bf16(device: str | torch.device = "cpu") -> bool:
-    """True when ``device`` computes in bfloat16 natively: CUDA with bf16 support, or a CPU with
-    AVX512-BF16 or AMX tiles (there bf16 matmuls run ~2-3x faster than float32; elsewhere bf16 is
-    emulated and slower)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if device.type != "cpu":
-        return False
-    try:
-        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-    except AttributeError:  # an older or newer torch without these probes: read the CPU flags
-        try:
-            flags = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-        return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     """``"auto"`` -> bfloat16 on CUDA, float32 on CPU; also accepts names like ``"float64"``."""
     if isinstance(dtype, torch.dtype):
@@ -488,16 +469,20 @@ def load_checkpoint(
 
 def wrap_model(
     model: Any, tokenizer: Any, *, mask_token: str = DEFAULT_MASK_TOKEN, source: str = "in-memory",
-    prompt_format: str | None = None, device: str | torch.device | None = None,
+    prompt_format: str | None = None, device: str | torch.device | None = None, mtp_dir: str | Path | None = None,
 ) -> LoadedModel:
     """Wrap an already-built model + tokenizer as a :class:`LoadedModel` (tests, training).
 
     Adds the mask token when missing (mean init, ``mtp_trained=False``) exactly as
-    :func:`load_checkpoint` does. ``device`` defaults to where the model's weights are.
+    :func:`load_checkpoint` does. ``device`` defaults to where the model's weights are. ``mtp_dir``:
+    an adapter directory written by :mod:`model.train` to put on top of ``model`` (its base).
+
+    Raises:
+        CheckpointError: an unreadable ``mtp_dir``.
     """
     dev = torch.device(device) if device is not None else next(model.parameters()).device
     return _finish(model, tokenizer, source=source, mask_token=mask_token, device=dev,
-                   prompt_format=prompt_format, mtp_dir=None)
+                   prompt_format=prompt_format, mtp_dir=Path(mtp_dir) if mtp_dir is not None else None)
 
 
 def _finish(

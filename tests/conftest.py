@@ -82,6 +82,7 @@ def make_tiny(tokenizer, arch: str = "llama", dtype=torch.float32, seed: int = 0
     return model
 
 
+
 @pytest.fixture
 def tiny_lm(base_tokenizer) -> LoadedModel:
     """A fresh tiny Llama (float32) wrapped with the real tokenizer; mask token present."""
@@ -94,3 +95,46 @@ def tiny_lm64(base_tokenizer) -> LoadedModel:
     """The same tiny Llama in float64 (exact-equivalence tests)."""
     tok = copy.deepcopy(base_tokenizer)
     return wrap_model(make_tiny(tok, dtype=torch.float64), tok, source="tiny-llama-f64")
+
+
+# ----------------------------------------------------------------------------- a model that learned a corpus
+def pretrained_teacher(base_tokenizer):
+    """A tiny Llama pre-trained (next-token) for 60 steps on a repetitive corpus: it knows the corpus
+    (loss < 0.5), so its greedy continuations are predictable several tokens ahead."""
+    from model.train_data import Example, encode
+
+    tok = copy.deepcopy(base_tokenizer)
+    words = ["red", "green", "blue", "black", "white"]
+    examples = [Example(f"Say {w}", " ".join([w] * 14)) for w in words]
+    model = make_tiny(tok, tied=True)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.div_(20.0)  # ordinary init scale for training
+    lm = wrap_model(model, tok, prompt_format="bos_newlines")
+    seqs, _, _ = encode(lm, examples, 64)
+    x = torch.tensor(seqs)
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(60):
+        b = x[torch.randint(0, len(seqs), (4,), generator=g)]
+        loss = model(input_ids=b, labels=b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert loss.item() < 0.5  # the teacher knows the corpus
+    model.eval()
+    return lm, examples
+
+
+def mtp_run(lm, examples, out, *, seed=0, steps=40, mixed_precision="no", adapter="lora"):
+    """Train ``lm`` (a copy) with the project's trainer: LoRA r=8 + mask row, k in [2, 4], batch 4; the run's
+    directory is ``out`` (``out/final`` holds the adapter). Returns the parsed train log."""
+    import json
+
+    from model.train import TrainConfig, train
+
+    cfg = TrainConfig(base="tiny", data="in-memory", output=str(out), adapter=adapter, lora_rank=8,
+                      max_steps=steps, batch_size=4, seq_len=64, k_max=4, spacing=4, num_regions=4, lr=1e-2, warmup=0,
+                      weight_decay=0.0, save_every=1000, seed=seed, mixed_precision=mixed_precision)
+    train(cfg, lm=copy.deepcopy(lm), examples=examples)
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
