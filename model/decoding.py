@@ -1,15 +1,28 @@
-"""MTP decoding strategies (paper 3.4 and 4.5): standard, static k and ConfAdapt.
+"""MTP decoding, one forward pass at a time (paper 3.4 and 4.5).
 
-Every strategy runs the same loop. Pass t feeds the tokens not yet in the KV cache (the prompt
-on the first pass, the tokens kept on the previous pass afterwards) followed by
-``k_max - 1`` mask tokens at ordinary consecutive positions, with plain causal attention. The
-logits at the last real token and at each mask give ``k_max`` greedy proposals and their
-confidences (top-1 softmax probability over the full vocabulary, in float32). The strategy keeps
-a leading run of them; the KV entries written for the masks are cropped right after the pass,
-so the cache only ever holds real tokens.
+A forward pass feeds, at ordinary consecutive positions with plain causal attention,
 
-Each pass yields one :class:`PassRecord`; the app, the evaluation and the benchmarks consume
-these records and never touch the model.
+    pending real tokens  +  drafts  +  (k_max - 1) mask tokens
+
+* **pending**: the tokens emitted but not yet in the KV cache (the prompt on the first pass);
+* **drafts** (only :class:`~model.strategies.Verify`): the previous pass's mask proposals, fed as
+  real tokens so that this pass's logits check them;
+* **masks**: the mask token, whose logits propose the tokens after the last real one.
+
+Each pass goes through four phases, each a function or method below:
+
+1. **propose** (:func:`propose`): greedy token and confidence (top-1 probability, float32, the
+   mask token excluded) at the last pending token, at each draft and at each mask;
+2. **accept**: block strategies keep a leading run of the block ``[greedy at the last real token,
+   mask proposals...]`` (:meth:`Strategy.accept`), cut where a proposal cannot continue an open
+   UTF-8 character (:func:`cut_broken_utf8`); verification keeps the drafts equal to the model's
+   greedy choice, then the model's own next token (:func:`accept_drafts`);
+3. **trim**: up to and including the first stop token, and never past ``max_new_tokens``;
+4. **commit**: crop the KV cache back to the real tokens that stay valid (never a mask, never a
+   rejected draft) and record the pass in a :class:`PassRecord`.
+
+Invariant after every pass: the cache holds exactly ``cached_ids`` and ``cached_ids + pending ==
+prompt + generated``. The app, the evaluation and the benchmark consume pass records only.
 """
 
 from __future__ import annotations
@@ -20,143 +33,34 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
-from transformers import DynamicCache
 
 from .checkpoint import LoadedModel
+from .strategies import (  # noqa: F401 - the strategy vocabulary is re-exported for callers of decoding
+    DEFAULT_K_MAX,
+    MAX_K_MAX,
+    ConfAdapt,
+    Standard,
+    StaticK,
+    Strategy,
+    Verify,
+    check_max_new_tokens,
+    confadapt,
+    make_strategy,
+    parse_strategies,
+    parse_strategy,
+    standard,
+    static_k,
+    verify,
+)
+from .text import continues_utf8, open_utf8_bytes, text_bytes
 
 
-# --------------------------------------------------------------------------- strategies
-@dataclass(frozen=True)
-class Strategy:
-    """How many of a pass's ``k_max`` proposals to keep.
-
-    Attributes:
-        name: ``"standard"``, ``"static"`` or ``"confadapt"``.
-        k_max: proposals per pass (the pass feeds ``k_max - 1`` mask tokens).
-        k: for static k, the fixed block size (``k == k_max``).
-        tau: for ConfAdapt, the confidence threshold in [0, 1].
-    """
-
-    name: str
-    k_max: int
-    k: int | None = None
-    tau: float | None = None
-
-    @property
-    def num_masks(self) -> int:
-        """Mask tokens appended per pass: ``k_max - 1``."""
-        return self.k_max - 1
-
-    def accept(self, confidences: Sequence[float]) -> int:
-        """Number of leading proposals to keep (always ≥ 1).
-
-        Args:
-            confidences: ``k_max`` top-1 probabilities, in block order.
-        """
-        if self.name == "confadapt":
-            n = 1
-            while n < len(confidences) and confidences[n] >= self.tau:  # type: ignore[operator]
-                n += 1
-            # The first proposal is always kept, whatever its confidence (paper 4.5).
-            return n
-        return min(self.k or 1, len(confidences))
-
-    @property
-    def label(self) -> str:
-        """Short human label: ``standard``, ``static k=3``, ``ConfAdapt tau=0.90 k_max=16``."""
-        if self.name == "static":
-            return f"static k={self.k}"
-        if self.name == "confadapt":
-            return f"ConfAdapt tau={self.tau:.2f} k_max={self.k_max}"
-        return "standard"
-
-    @property
-    def spec(self) -> str:
-        """The string :func:`parse_strategy` reads back (``confadapt:0.9:16``)."""
-        if self.name == "static":
-            return f"static:{self.k}"
-        if self.name == "confadapt":
-            return f"confadapt:{self.tau:g}:{self.k_max}"
-        return "standard"
+class ContextBudgetError(ValueError):
+    """The prompt, the answer and a pass's look-ahead do not fit in the model's positions."""
 
 
-def standard() -> Strategy:
-    """Next-token prediction: one token per forward pass, no masks (the baseline)."""
-    return Strategy("standard", k_max=1, k=1)
-
-
-def static_k(k: int, k_max: int | None = None) -> Strategy:
-    """Keep exactly the first ``k`` proposals of each pass (paper 4.5, "static").
-
-    Raises:
-        ValueError: ``k < 1`` or ``k > k_max``.
-    """
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be an integer ≥ 1, got {k!r}.")
-    if k_max is not None:
-        _check_k_max(k_max)
-        if k > k_max:
-            raise ValueError(f"k ({k}) cannot exceed k_max ({k_max}).")
-    return Strategy("static", k_max=k, k=k)
-
-
-def confadapt(tau: float, k_max: int = 16) -> Strategy:
-    """ConfAdapt: keep the longest leading run with confidence ≥ tau, at least one token (paper 4.5).
-
-    Raises:
-        ValueError: tau outside [0, 1] or not a number; k_max < 1.
-    """
-    try:
-        tau = float(tau)
-    except (TypeError, ValueError):
-        raise ValueError(f"The threshold tau must be a number in [0, 1], got {tau!r}.") from None
-    if math.isnan(tau) or not 0.0 <= tau <= 1.0:
-        raise ValueError(f"The threshold tau must be in [0, 1], got {tau}.")
-    _check_k_max(k_max)
-    return Strategy("confadapt", k_max=k_max, tau=tau)
-
-
-MAX_K_MAX = 64
-
-
-def _check_k_max(k_max: Any) -> None:
-    if isinstance(k_max, bool) or not isinstance(k_max, int) or not 1 <= k_max <= MAX_K_MAX:
-        raise ValueError(f"k_max must be an integer from 1 to {MAX_K_MAX}, got {k_max!r}.")
-
-
-def make_strategy(name: str, *, tau: float = 0.9, k_max: int = 16, k: int = 3) -> Strategy:
-    """Build a strategy from CLI/app arguments (``standard``, ``static`` or ``confadapt``).
-
-    Raises:
-        ValueError: unknown name or invalid parameters.
-    """
-    name = (name or "").strip().lower()
-    if name == "standard":
-        return standard()
-    if name == "static":
-        return static_k(k, k_max)
-    if name == "confadapt":
-        return confadapt(tau, k_max)
-    raise ValueError(f"Unknown strategy {name!r}: use standard, static or confadapt.")
-
-
-def parse_strategy(spec: str) -> Strategy:
-    """Parse ``standard``, ``static:K`` or ``confadapt:TAU[:K_MAX]`` (k_max defaults to 16).
-
-    Raises:
-        ValueError: malformed spec.
-    """
-    parts = spec.strip().lower().split(":")
-    try:
-        if parts[0] == "standard" and len(parts) == 1:
-            return standard()
-        if parts[0] == "static" and len(parts) == 2:
-            return static_k(int(parts[1]))
-        if parts[0] == "confadapt" and len(parts) in (2, 3):
-            return confadapt(float(parts[1]), int(parts[2]) if len(parts) == 3 else 16)
-    except ValueError as e:
-        raise ValueError(f"Bad strategy {spec!r}: {e}") from None
-    raise ValueError(f"Bad strategy {spec!r}: use standard, static:K or confadapt:TAU[:K_MAX].")
+class NonFiniteLogitsError(RuntimeError):
+    """A forward pass produced NaN or infinite logits: no token can be chosen from them."""
 
 
 # --------------------------------------------------------------------------- records
@@ -165,17 +69,27 @@ class PassRecord:
     """What one forward pass did (the record the app, evaluation and benchmarks consume).
 
     Attributes:
-        index: 0-based number of the forward pass.
-        fed_real: real tokens fed (the prompt on pass 0, then the previous pass's kept tokens).
+        index: 0-based number of the forward pass (pass 0 is the prefill).
+        fed_real: pending real tokens fed (the prompt on pass 0, then the previous pass's last
+            token(s) not yet in the KV cache).
+        fed_drafts: draft tokens fed as real tokens (verification only; else 0).
         fed_masks: mask tokens fed (``k_max - 1``; 0 for standard decoding).
-        proposals: ``k_max`` greedy token ids, one per block position.
+        proposals: ``k_max`` greedy token ids: at the last real token fed, then one per mask.
         proposal_texts: each proposal decoded on its own.
-        confidences: ``k_max`` top-1 probabilities (float32 softmax over the full vocabulary).
-        kept: token ids emitted by this pass (after stop-token and max_new_tokens trimming).
-        text: the decoded text this pass added to the answer.
-        accepted: proposals the strategy accepted before trimming (``len(kept)`` unless trimmed).
-        seconds: wall-clock seconds of this pass alone (device synchronised).
+        confidences: ``k_max`` top-1 probabilities (float32 softmax over the vocabulary, the mask
+            token excluded), one per proposal.
+        kept: token ids this pass emitted (after UTF-8, stop-token and max_new_tokens trimming).
+        text: the text this pass added to the answer (an incomplete last character is held back).
+        accepted: tokens the strategy accepted before stop-token / max_new_tokens trimming.
+        seconds: wall-clock seconds of the pass (forward, proposals, cache crop; device synchronised).
         stopped: True if this pass emitted a stop token.
+        block_end: why the block ended: ``"k_max"`` (every proposal kept), ``"below tau"``,
+            ``"utf-8"`` (the next proposal could not continue an open character), ``"draft
+            rejected"``, ``"stop token"`` or ``"max_new_tokens"``.
+        drafts: the draft ids fed (verification), in order.
+        draft_checks: the model's greedy token at each draft's place (``len(drafts)`` ids).
+        drafts_accepted: leading drafts equal to ``draft_checks``.
+        correction: the model's token in place of the first rejected draft (None if none rejected).
     """
 
     index: int
@@ -189,11 +103,17 @@ class PassRecord:
     accepted: int
     seconds: float
     stopped: bool = False
+    block_end: str = "k_max"
+    fed_drafts: int = 0
+    drafts: list[int] = field(default_factory=list)
+    draft_checks: list[int] = field(default_factory=list)
+    drafts_accepted: int = 0
+    correction: int | None = None
 
     @property
     def fed_tokens(self) -> int:
-        """All tokens fed to this forward pass (real + masks)."""
-        return self.fed_real + self.fed_masks
+        """All tokens fed to this forward pass (pending + drafts + masks)."""
+        return self.fed_real + self.fed_drafts + self.fed_masks
 
     def to_dict(self) -> dict:
         """JSON-ready dict (includes ``fed_tokens``)."""
@@ -207,7 +127,7 @@ class GenerationResult:
     """Totals of one generation.
 
     Attributes:
-        text: the answer (special tokens skipped).
+        text: the answer (special tokens skipped, no incomplete last character).
         token_ids: the generated ids (the stop token included if one was emitted).
         passes: one :class:`PassRecord` per forward pass.
         strategy: the strategy's spec string.
@@ -230,7 +150,7 @@ class GenerationResult:
 
     @property
     def effective_k(self) -> float:
-        """Tokens per forward pass (paper's acceleration measure)."""
+        """Tokens per forward pass (the paper's acceleration measure)."""
         return self.new_tokens / self.forward_passes if self.passes else 0.0
 
     @property
@@ -240,36 +160,96 @@ class GenerationResult:
 
     @property
     def tokens_per_second(self) -> float:
-        """new_tokens / seconds."""
+        """new_tokens / seconds (0 before any pass)."""
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
 
     def to_dict(self) -> dict:
-        """The CLI's ``--json`` object."""
+        """The CLI's ``--json`` object (strict JSON: no NaN)."""
         return {
-            "strategy": self.strategy,
-            "text": self.text,
-            "new_tokens": self.new_tokens,
-            "forward_passes": self.forward_passes,
-            "effective_k": self.effective_k,
-            "seconds": self.seconds,
-            "tokens_per_second": self.tokens_per_second,
-            "passes": [p.to_dict() for p in self.passes],
+            "strategy": self.strategy, "text": self.text, "new_tokens": self.new_tokens,
+            "forward_passes": self.forward_passes, "effective_k": self.effective_k, "seconds": self.seconds,
+            "tokens_per_second": self.tokens_per_second, "passes": [p.to_dict() for p in self.passes],
         }
 
 
-# --------------------------------------------------------------------------- decoder
+# --------------------------------------------------------------------------- phases
+def check_context_budget(lm: LoadedModel, prompt_len: int, max_new_tokens: int, strategy: Strategy) -> None:
+    """Refuse a generation whose positions could run past the model's ``max_position_embeddings``.
+
+    The budget is ``prompt_len + max_new_tokens + strategy.lookahead`` positions (the look-ahead is
+    the drafts and mask tokens a pass feeds after the last emitted token).
+
+    Raises:
+        ContextBudgetError: over the limit, naming the limit and each part.
+    """
+    limit = lm.max_positions
+    need = prompt_len + max_new_tokens + strategy.lookahead
+    if limit is not None and need > limit:
+        raise ContextBudgetError(
+            f"The prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) + {strategy.lookahead} "
+            f"look-ahead positions of {strategy.label} = {need} positions, more than this model's "
+            f"{limit} (max_position_embeddings). Shorten the prompt or lower max_new_tokens.")
+
+
+def propose(logits: torch.Tensor, mask_token_id: int) -> tuple[list[int], list[float]]:
+    """Greedy proposals and their confidences for each position of one pass.
+
+    Args:
+        logits: ``[T, V]`` logits (any float dtype) at the positions that propose.
+        mask_token_id: never proposed.
+
+    Returns:
+        ``(tokens, confidences)``: ``T`` greedy ids and their top-1 probabilities (float32 softmax
+        over the vocabulary without the mask token).
+
+    Raises:
+        NonFiniteLogitsError: a NaN or infinite logit (the softmax would be meaningless).
+    """
+    logits = logits.float()
+    if not bool(torch.isfinite(logits).all()):
+        bad = (~torch.isfinite(logits)).any(-1).nonzero().flatten().tolist()
+        raise NonFiniteLogitsError(
+            f"The forward pass produced NaN or infinite logits at {len(bad)} of {logits.shape[0]} positions; "
+            "no token can be chosen. The weights or the dtype cannot represent this computation "
+            "(e.g. float16 on a CPU); load the model in float32 or bfloat16.")
+    logits[:, mask_token_id] = float("-inf")
+    conf, tokens = torch.softmax(logits, dim=-1).max(dim=-1)
+    return tokens.tolist(), conf.tolist()
+
+
+def accept_drafts(drafts: Sequence[int], checks: Sequence[int]) -> int:
+    """Leading drafts equal to the model's greedy choice at their place (lossless verification)."""
+    n = 0
+    while n < len(drafts) and drafts[n] == checks[n]:
+        n += 1
+    return n
+
+
+def cut_broken_utf8(lm: LoadedModel, generated: Sequence[int], block: Sequence[int], n: int) -> int:
+    """Shorten a kept block so that no proposal after the first breaks an open UTF-8 character.
+
+    Args:
+        generated: the tokens emitted before this block.
+        block: the block's proposals; the first ``n`` are kept by the strategy.
+
+    Returns:
+        The new ``n`` (≥ 1: the first proposal is the model's own next token and always stays).
+    """
+    data = text_bytes(lm.token_bytes, list(generated[-4:]) + [block[0]])  # the last character starts in there
+    for i in range(1, n):
+        b = lm.token_bytes(block[i])
+        if not continues_utf8(open_utf8_bytes(data), b):
+            return i
+        data += b
+    return n
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def check_max_new_tokens(max_new_tokens: Any) -> int:
-    """Validate max_new_tokens (an integer ≥ 1). Raises ValueError otherwise."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer ≥ 1, got {max_new_tokens!r}.")
-    return max_new_tokens
-
-
+# --------------------------------------------------------------------------- decoder
 class Decoder:
     """Iterator over the forward passes of one generation (batch size 1).
 
@@ -280,12 +260,15 @@ class Decoder:
             print(record.text, end="")
         dec.result()         # GenerationResult
 
-    Invariant after every pass: ``dec.cache`` holds exactly the keys/values of
-    ``dec.cached_ids`` (prompt + emitted tokens, minus those still waiting to be fed), never a
-    mask token.
+    Args:
+        lm: the loaded model.
+        prompt_ids: the prompt, ``prompt_len`` token ids (``lm.prompt_ids(...)``).
+        strategy: from :mod:`model.strategies`.
+        max_new_tokens: exact upper bound on generated tokens.
 
     Raises (at construction):
         ValueError: empty prompt, bad max_new_tokens.
+        ContextBudgetError: prompt + max_new_tokens + look-ahead beyond the model's positions.
     """
 
     def __init__(self, lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy, max_new_tokens: int = 128):
@@ -295,9 +278,11 @@ class Decoder:
         self.strategy = strategy
         self.max_new_tokens = check_max_new_tokens(max_new_tokens)
         self.prompt_ids = [int(t) for t in prompt_ids]
-        self.cache = DynamicCache(config=getattr(lm.model, "config", None))
+        check_context_budget(lm, len(self.prompt_ids), self.max_new_tokens, strategy)
+        self.cache = lm.new_cache()
         self.cached_ids: list[int] = []
         self.pending: list[int] = list(self.prompt_ids)
+        self.drafts: list[int] = []
         self.generated: list[int] = []
         self.passes: list[PassRecord] = []
         self.done = False
@@ -310,50 +295,85 @@ class Decoder:
 
     @torch.inference_mode()
     def step(self) -> PassRecord:
-        """Run one forward pass and return its record. Raises StopIteration when done."""
+        """Run one forward pass and return its record. Raises StopIteration when done.
+
+        Raises:
+            NonFiniteLogitsError: the pass produced NaN / infinite logits (the decoder stops).
+        """
         if self.done:
             raise StopIteration
-        lm, dev = self.lm, self.lm.device
-        m = self.strategy.num_masks
+        lm, dev, s = self.lm, self.lm.device, self.strategy
+        m, drafts = s.num_masks, self.drafts
+        fed = self.pending + drafts + [lm.mask_token_id] * m
         _sync(dev)
         t0 = time.perf_counter()
-        ids = torch.tensor([self.pending + [lm.mask_token_id] * m], dtype=torch.long, device=dev)
-        logits = lm.forward(ids, self.cache, num_masks=m, logits_to_keep=m + 1)[0].float()
-        logits[:, lm.mask_token_id] = float("-inf")  # the mask token is never proposed
-        probs = torch.softmax(logits, dim=-1)
-        conf, prop = probs.max(dim=-1)
-        if m:
-            self.cache.crop(-m)  # drop the mask entries (DESIGN.md section 1)
-        conf_l, prop_l = conf.tolist(), prop.tolist()
-        _sync(dev)
-        seconds = time.perf_counter() - t0
+        ids = torch.tensor([fed], dtype=torch.long, device=dev)
+        logits = lm.forward(ids, self.cache, num_masks=m, logits_to_keep=len(drafts) + 1 + m)[0]
+        try:
+            greedy, conf = propose(logits, lm.mask_token_id)
+        except NonFiniteLogitsError:
+            self.done = True
+            raise
+        checks, block, block_conf = greedy[: len(drafts)], greedy[len(drafts):], conf[len(drafts):]
 
-        self.cached_ids.extend(self.pending)
-        accepted = self.strategy.accept(conf_l)
-        kept = prop_l[:accepted][: self.max_new_tokens - len(self.generated)]
+        # accept
+        correction = None
+        if s.verifies:
+            a = accepted = accept_drafts(drafts, checks)
+            kept = list(drafts[:a]) + [(checks + block)[a]]
+            if a < len(drafts):
+                correction, reason = checks[a], "draft rejected"
+            else:
+                reason = "k_max"
+            accepted = len(kept)
+            next_drafts = block[1:] if a == len(drafts) else []
+        else:
+            n, reason = s.accept(block_conf)
+            cut = cut_broken_utf8(lm, self.generated, block, n)
+            if cut < n:
+                n, reason = cut, "utf-8"
+            a, accepted, kept, next_drafts = 0, n, block[:n], []
+
+        # trim: the first stop token ends the answer; max_new_tokens is exact
+        room = self.max_new_tokens - len(self.generated)
+        if len(kept) > room:
+            kept, reason = kept[:room], "max_new_tokens"
         stopped = False
         for i, t in enumerate(kept):
             if t in self._stop:
-                kept, stopped = kept[: i + 1], True
+                kept, reason, stopped = kept[: i + 1], "stop token", True
                 break
+
+        # commit: the cache keeps the pending tokens and, when verifying, the kept drafts
+        in_cache = kept[:-1] if s.verifies else []
+        drop = len(fed) - len(self.pending) - len(in_cache)
+        if drop:
+            self.cache.crop(-drop)
+        _sync(dev)
+        seconds = time.perf_counter() - t0
+
+        self.cached_ids.extend(self.pending + in_cache)
         self.generated.extend(kept)
-        self.pending = kept
-        if stopped or len(self.generated) >= self.max_new_tokens:
-            self.done = True
-        text = self._text_delta()
+        self.pending = kept[-1:] if s.verifies else kept
+        self.drafts = next_drafts
+        self.done = stopped or len(self.generated) >= self.max_new_tokens
         tok = lm.tokenizer
         rec = PassRecord(
-            index=len(self.passes), fed_real=int(ids.shape[1]) - m, fed_masks=m, proposals=prop_l,
-            proposal_texts=[tok.decode([t]) for t in prop_l], confidences=conf_l, kept=kept, text=text,
-            accepted=accepted, seconds=seconds, stopped=stopped,
+            index=len(self.passes), fed_real=len(fed) - len(drafts) - m, fed_masks=m, proposals=block,
+            proposal_texts=[tok.decode([t]) for t in block], confidences=block_conf, kept=kept,
+            text=self._text_delta(), accepted=accepted, seconds=seconds, stopped=stopped, block_end=reason,
+            fed_drafts=len(drafts), drafts=list(drafts), draft_checks=checks, drafts_accepted=a,
+            correction=correction,
         )
         self.passes.append(rec)
         return rec
 
     def _text_delta(self) -> str:
+        """The text added since the last pass; an incomplete last character is held back (and dropped
+        at the end of the answer: never shown as U+FFFD)."""
         text = self.lm.tokenizer.decode(self.generated, skip_special_tokens=True)
-        if not self.done and text.endswith("\ufffd"):
-            return ""  # an incomplete multi-byte character: wait for the rest
+        if open_utf8_bytes(text_bytes(self.lm.token_bytes, self.generated[-4:])) and text.endswith("\ufffd"):
+            text = text[:-1]
         delta = text[len(self._text):] if text.startswith(self._text) else text
         self._text = text
         return delta
@@ -364,36 +384,45 @@ class Decoder:
                                 strategy=self.strategy.spec)
 
 
-def generate(
-    lm: LoadedModel, prompt: str | Sequence[dict], strategy: Strategy, max_new_tokens: int = 128
-) -> GenerationResult:
-    """Run one generation to the end and return its totals.
-
-    Args:
-        lm: the loaded model.
-        prompt: a user message or a messages-format chat history.
-        strategy: :func:`standard`, :func:`static_k` or :func:`confadapt`.
-        max_new_tokens: exact upper bound on generated tokens.
+def run(lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy, max_new_tokens: int = 128) -> GenerationResult:
+    """Decode to the end from prompt ids and return the totals.
 
     Raises:
-        ValueError: empty prompt, bad max_new_tokens.
+        ValueError, ContextBudgetError: as :class:`Decoder`.
+        NonFiniteLogitsError: a pass produced NaN / infinite logits.
     """
-    dec = Decoder(lm, lm.prompt_ids(prompt), strategy, max_new_tokens)
+    dec = Decoder(lm, prompt_ids, strategy, max_new_tokens)
     for _ in dec:
         pass
     return dec.result()
 
 
+def generate(
+    lm: LoadedModel, prompt: str | Sequence[dict], strategy: Strategy, max_new_tokens: int = 128
+) -> GenerationResult:
+    """Run one generation from a user message or a messages-format chat history.
+
+    Raises:
+        ValueError: empty prompt, bad max_new_tokens; ContextBudgetError, NonFiniteLogitsError.
+    """
+    return run(lm, lm.prompt_ids(prompt), strategy, max_new_tokens)
+
+
 def hf_generate(lm: LoadedModel, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
     """Reference: transformers ``generate`` greedy (``do_sample=False``), new ids only.
 
-    Uses the same stop tokens; the mask token is suppressed as in our loop.
+    Uses the same stop tokens (none: runs to ``max_new_tokens``); the mask token is suppressed as in
+    our loop.
     """
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=lm.device)
+    stop = list(lm.stop_token_ids) or None
+    pad = lm.tokenizer.pad_token_id
+    if pad is None:
+        pad = stop[0] if stop else 0
     with torch.inference_mode():
         out = lm.model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-            eos_token_id=list(lm.stop_token_ids), pad_token_id=lm.tokenizer.pad_token_id,
-            suppress_tokens=[lm.mask_token_id], temperature=None, top_p=None, top_k=None,
+            eos_token_id=stop, pad_token_id=pad, suppress_tokens=[lm.mask_token_id], temperature=None, top_p=None,
+            top_k=None,
         )
     return out[0, ids.shape[1]:].tolist()

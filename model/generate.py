@@ -16,7 +16,8 @@ import json
 import sys
 
 from .checkpoint import DEFAULT_SOURCE, CheckpointError, load_checkpoint
-from .decoding import Decoder, check_max_new_tokens, make_strategy
+from .decoding import Decoder, NonFiniteLogitsError
+from .strategies import DEFAULT_STATIC_K, DEFAULT_TAU, STRATEGY_NAMES, check_max_new_tokens, make_strategy
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,10 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m model.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_SOURCE, help="smollm2-135m, a local dir / .gguf, or a hub id")
     p.add_argument("--prompt", required=True, help="the user message")
-    p.add_argument("--strategy", default="confadapt", choices=["standard", "static", "confadapt"])
-    p.add_argument("--threshold", "--tau", dest="tau", type=float, default=0.9, help="ConfAdapt threshold tau")
-    p.add_argument("--k-max", type=int, default=16, help="proposals per forward pass")
-    p.add_argument("--k", type=int, default=3, help="block size for --strategy static")
+    p.add_argument("--strategy", default="confadapt", choices=STRATEGY_NAMES)
+    p.add_argument("--threshold", "--tau", dest="tau", type=float, default=DEFAULT_TAU, help="ConfAdapt threshold tau")
+    p.add_argument("--k-max", type=int, default=None,
+                   help="proposals per forward pass (default: the adapter's trained k_max, else 16)")
+    p.add_argument("--k", type=int, default=DEFAULT_STATIC_K, help="block size for --strategy static")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
@@ -42,25 +44,31 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 bad input)."""
     args = build_parser().parse_args(argv)
     try:
-        strategy = make_strategy(args.strategy, tau=args.tau, k_max=args.k_max, k=args.k)
+        make_strategy(args.strategy, tau=args.tau, k_max=args.k_max, k=args.k)  # bad arguments fail before loading
         check_max_new_tokens(args.max_new_tokens)
         if not args.prompt.strip():
             raise ValueError("The prompt is empty: pass --prompt with some text.")
         lm = load_checkpoint(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
                              adapter=not args.no_adapter)
+        k_max = args.k_max if args.k_max is not None else (None if args.strategy == "static" else lm.default_k_max)
+        strategy = make_strategy(args.strategy, tau=args.tau, k_max=k_max, k=args.k)
         dec = Decoder(lm, lm.prompt_ids(args.prompt), strategy, args.max_new_tokens)
     except (ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for note in lm.warnings:
         print(f"note: {note}", file=sys.stderr)
-    for rec in dec:
-        if not args.json:
-            sys.stdout.write(rec.text + ("|" if args.show_blocks and rec.text else ""))
-            sys.stdout.flush()
+    try:
+        for rec in dec:
+            if not args.json:
+                sys.stdout.write(rec.text + ("|" if args.show_blocks and rec.text else ""))
+                sys.stdout.flush()
+    except NonFiniteLogitsError as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 1
     res = dec.result()
     if args.json:
-        print(json.dumps(res.to_dict(), ensure_ascii=False))
+        print(json.dumps(res.to_dict(), ensure_ascii=False, allow_nan=False))
     else:
         print()
         print(f"[{strategy.label}] {res.new_tokens} tokens in {res.forward_passes} forward passes, "

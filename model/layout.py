@@ -1,4 +1,4 @@
-"""Training layouts for MTP self-distillation (paper 3.3; DESIGN.md section 2).
+"""Training layouts for MTP self-distillation (paper 3.3; docs/DESIGN.md).
 
 A batch of ground-truth sequences (prompt + response + EOS) becomes one *blocked layout*: after
 the ground-truth token at each region's **anchor** position ``a`` we insert ``k - 1`` mask
@@ -19,7 +19,7 @@ ordinary next token ``x[a+1]``) and at each mask (block index ``j`` predicts ``x
   ``pred_after_eos`` and get the EOS as their label (the region is padded with EOS).
 
 :func:`build_span_layout` gives the two-phase form of the same regions used by activated
-adapters (issue 6): phase 1 caches the plain ground-truth sequence, phase 2 feeds only the mask
+adapters: phase 1 caches the plain ground-truth sequence, phase 2 feeds only the mask
 spans over that KV cache.
 """
 
@@ -253,7 +253,7 @@ def build_layout(
 
 @dataclass
 class SpanLayout:
-    """Two-phase form of a layout (activated adapters, issue 6).
+    """Two-phase form of a layout (activated adapters).
 
     Phase 1 runs the padded ground truth ``gt_ids`` ``[B, N]`` with plain causal attention and keeps its
     KV cache. Phase 2 feeds ``span_ids`` ``[B, S]`` (every region's ``k - 1`` masks, region by region,

@@ -46,11 +46,12 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .checkpoint import (ADAPTER_META, DEFAULT_MASK_TOKEN, DEFAULT_SOURCE, MASK_ROWS_FILE, PROMPT_FORMATS,
-                         CheckpointError, LoadedModel, _apply_adapter, _read_adapter_meta, load_checkpoint)
+from .adapter_format import MTPMeta, load_mask_rows, read_meta, save_mtp_checkpoint
+from .checkpoint import (DEFAULT_MASK_TOKEN, DEFAULT_SOURCE, PROMPT_FORMATS, CheckpointError, LoadedModel,
+                         load_checkpoint, native_bf16)
+from .strategies import DEFAULT_K_MAX, MAX_K_MAX
 from .layout import build_layout, build_span_layout, default_num_regions, place_regions, sample_block
 from .objective import alora_objective, mtp_objective
-from .precision import auto_mixed_precision
 from .train_data import DataError, Example, encode, load_examples
 
 LOG_FILE = "train_log.jsonl"
@@ -72,7 +73,7 @@ class TrainConfig:
     batch_size: int = 8
     grad_accum: int = 1
     seq_len: int = 160
-    k_max: int = 16
+    k_max: int = DEFAULT_K_MAX
     k_min: int = 2
     num_regions: int | None = None
     spacing: int | None = None
@@ -127,8 +128,8 @@ class TrainConfig:
         for name in ("max_steps", "batch_size", "grad_accum", "save_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be ≥ 1.")
-        if not 2 <= self.k_max <= 64:
-            raise ValueError(f"--k-max must be in [2, 64], got {self.k_max}.")
+        if not 2 <= self.k_max <= MAX_K_MAX:
+            raise ValueError(f"--k-max must be in [2, {MAX_K_MAX}], got {self.k_max}.")
         if not 2 <= self.k_min <= self.k_max:
             raise ValueError(f"--k-min must be in [2, --k-max], got {self.k_min}.")
         if not 0.0 <= self.reference_share <= 1.0:
@@ -183,14 +184,14 @@ def load_for_training(cfg: TrainConfig, device: torch.device, lm: LoadedModel | 
     kind = cfg.kind
     init_meta = None
     if cfg.init_adapter:
-        init_meta = _read_adapter_meta(Path(cfg.init_adapter))
-        if init_meta.get("adapter", "lora") != kind:
-            raise CheckpointError(f"--init-adapter {cfg.init_adapter} holds a {init_meta.get('adapter')!r} adapter "
+        init_meta = read_meta(cfg.init_adapter)
+        if init_meta.adapter != kind:
+            raise CheckpointError(f"--init-adapter {cfg.init_adapter} holds a {init_meta.adapter!r} adapter "
                                   f"but this run trains --adapter {kind}.")
     if lm is None:
-        base = init_meta["base"] if init_meta else cfg.base
-        lm = load_checkpoint(base, mask_token=(init_meta or {}).get("mask_token", cfg.mask_token), device=device,
-                             dtype=torch.float32, prompt_format=cfg.prompt_format or (init_meta or {}).get("prompt_format"),
+        base = init_meta.base if init_meta else cfg.base
+        lm = load_checkpoint(base, mask_token=init_meta.mask_token if init_meta else cfg.mask_token, device=device,
+                             dtype=torch.float32, prompt_format=cfg.prompt_format or (init_meta.prompt_format if init_meta else None),
                              adapter=False)
     model = lm.model
     if lm.adapter is not None:
@@ -207,7 +208,7 @@ def load_for_training(cfg: TrainConfig, device: torch.device, lm: LoadedModel | 
             p.requires_grad_(True)
         return Setup(lm, model, teacher, None, kind)
     if init_meta:
-        _apply_adapter(model, Path(cfg.init_adapter), lm.mask_token_id, init_meta)
+        load_mask_rows(model, cfg.init_adapter, lm.mask_token_id)
         peft_model = PeftModel.from_pretrained(model, cfg.init_adapter, is_trainable=True)
     else:
         peft_model = get_peft_model(model, _lora_config(cfg, lm.mask_token_id, kind == "alora"))
@@ -219,51 +220,19 @@ def load_for_training(cfg: TrainConfig, device: torch.device, lm: LoadedModel | 
 
 
 # ------------------------------------------------------------------------------ saving
-def _meta_base(cfg: TrainConfig, lm: LoadedModel) -> str:
-    if cfg.init_adapter:
-        return _read_adapter_meta(Path(cfg.init_adapter))["base"]
-    src = cfg.base
-    p = Path(os.path.expanduser(src))
-    return str(p.resolve()) if p.exists() else src
-
-
 def export_model(cfg: TrainConfig, lm: LoadedModel, model: Any, out_dir: str | Path,
                  state_dict: dict | None = None) -> Path:
-    """Write the trained model so that ``load_checkpoint(out_dir)`` decodes it with ConfAdapt.
-
-    Full fine-tune: a model directory (config, ``--save-dtype`` safetensors, tokenizer with the
-    mask token). LoRA / aLoRA: ``mtp_adapter.json`` (base, mask token, adapter kind, prompt
-    format), ``mask_rows.safetensors`` (the trained mask embedding row) and peft's adapter files,
-    weights in ``--save-dtype``.
-    """
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_dtype = getattr(torch, cfg.save_dtype)
-    if cfg.kind == "full":
-        sd = state_dict if state_dict is not None else model.state_dict()
-        sd = {k: v.detach().to(save_dtype) if v.is_floating_point() else v for k, v in sd.items()}
-        model.save_pretrained(str(out), state_dict=sd)
-        lm.tokenizer.save_pretrained(str(out))
-        (out / "mtp_train.json").write_text(json.dumps({"prompt_format": lm.prompt_format, "mask_token": cfg.mask_token,
-                                                        "base": _meta_base(cfg, lm)}, indent=1))
-        return out
-    sd = state_dict if state_dict is not None else model.state_dict()
-    sd = {k: v.detach().to(save_dtype) if v.is_floating_point() else v for k, v in sd.items()
-          if "lora_" in k or "trainable_tokens" in k}
-    # save_embedding_layers=False: the resized embedding (mask token added) is not saved whole; the
-    # mask row travels in mask_rows.safetensors and peft's trainable-token delta.
-    model.save_pretrained(str(out), state_dict=sd, save_embedding_layers=False)
-    # The trained mask row as the adapter-enabled model sees it (peft's trainable-token layer).
-    with torch.no_grad():
-        ids = torch.tensor([lm.mask_token_id], device=next(model.parameters()).device)
-        row = model.get_input_embeddings()(ids).detach().float().cpu().contiguous()
-    save_file({"embed": row}, str(out / MASK_ROWS_FILE))
-    meta = {"base": _meta_base(cfg, lm), "mask_token": cfg.mask_token, "adapter": cfg.kind,
-            "prompt_format": lm.prompt_format, "k_max": cfg.k_max}
-    (out / ADAPTER_META).write_text(json.dumps(meta, indent=1))
-    return out
+    """Write the trained model with :func:`model.adapter_format.save_mtp_checkpoint`, so that
+    ``load_checkpoint(out_dir)`` decodes it (weights in ``--save-dtype``)."""
+    if cfg.init_adapter:
+        base = read_meta(cfg.init_adapter).base
+    else:
+        p = Path(os.path.expanduser(cfg.base))
+        base = str(p.resolve()) if p.exists() else cfg.base
+    meta = MTPMeta(base=base, adapter=cfg.kind, mask_token=cfg.mask_token, prompt_format=lm.prompt_format,
+                   k_max=cfg.k_max)
+    return save_mtp_checkpoint(out_dir, model, meta, mask_token_id=lm.mask_token_id, tokenizer=lm.tokenizer,
+                               save_dtype=getattr(torch, cfg.save_dtype), state_dict=state_dict)
 
 
 def _checkpoints(output: Path) -> list[Path]:
@@ -365,9 +334,15 @@ def batch_indices(step: int, micro: int, rank: int, cfg: TrainConfig, world: int
 
 # ------------------------------------------------------------------------------ the objective on one batch
 def pad_id(lm: LoadedModel) -> int:
-    """The padding id of layouts (the tokenizer's pad token, else its EOS)."""
+    """The padding id of layouts (the tokenizer's pad token, else the model's EOS, else 0)."""
     tok = lm.tokenizer
-    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    if tok.pad_token_id is not None:
+        return int(tok.pad_token_id)
+    return int(lm.stop_token_ids[0]) if lm.stop_token_ids else 0
+
+
+class NonFiniteLossError(RuntimeError):
+    """A training step produced a non-finite loss or gradient; nothing was updated or written."""
 
 
 def batch_objective(setup: Setup, model: Any, bare: Any, seqs: Sequence[Sequence[int]], starts: Sequence[int], *,
@@ -383,9 +358,12 @@ def batch_objective(setup: Setup, model: Any, bare: Any, seqs: Sequence[Sequence
         The :class:`~model.objective.StepOutput`, or None when the batch holds no region.
     """
     lm = setup.lm
-    eos, pad = lm.tokenizer.eos_token_id, pad_id(lm)
+    pad = pad_id(lm)
+    # Rows end with the model's first stop token (train_data.encode); a model without one has no EOS
+    # rule (no region ever reaches an EOS, so the label used after it never appears).
+    eos = int(lm.stop_token_ids[0]) if lm.stop_token_ids else pad
     regions = place_regions(seqs, starts, k=k, offset=offset, spacing=spacing, num_regions=num_regions,
-                            eos_token_id=eos)
+                            eos_token_id=list(lm.stop_token_ids))
     if not regions:
         return None
     layout = build_layout(seqs, regions, mask_token_id=lm.mask_token_id, pad_token_id=pad)
@@ -462,15 +440,15 @@ class Run:
         """Append one JSON line to ``train_log.jsonl`` (main process)."""
         if self.main:
             with (self.output / LOG_FILE).open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(record, allow_nan=False) + "\n")
 
 
 def resolve_mixed_precision(cfg: TrainConfig, device: torch.device) -> str:
     """``--mixed-precision`` -> accelerate's value; ``auto`` is bf16 wherever the device computes in
-    bf16 natively (CUDA, CPUs with AVX512-BF16 / AMX: :func:`model.precision.native_bf16`), else no."""
+    bf16 natively (CUDA, CPUs with AVX512-BF16 / AMX: :func:`model.checkpoint.native_bf16`), else no."""
     if cfg.mixed_precision != "auto":
         return cfg.mixed_precision
-    return auto_mixed_precision(device)
+    return "bf16" if native_bf16(device) else "no"
 
 
 def build_optimizer(cfg: TrainConfig, student: Any) -> tuple[list, Any, Any]:
@@ -549,6 +527,15 @@ def train_step(run: Run) -> dict:
         for key, v in out.metrics().items():
             sums[key] = sums.get(key, 0.0) + float(v)
     grad_norm = acc.clip_grad_norm_(run.params, cfg.grad_clip)
+    bad = torch.tensor([float(not math.isfinite(sums["loss"]) or not math.isfinite(float(grad_norm)))],
+                       device=acc.device)
+    if float(acc.reduce(bad, reduction="max")) > 0:  # every process stops, before any update
+        run.optimizer.zero_grad(set_to_none=True)
+        last = _checkpoints(run.output)
+        raise NonFiniteLossError(
+            f"step {run.step + 1} (k={k}, offset {offset}): non-finite loss or gradient (loss {sums['loss']}, grad "
+            f"norm {float(grad_norm)}); nothing was updated. Last resumable checkpoint: "
+            f"{last[-1] if last else 'none'}. Lower --lr or use --mixed-precision no, then --resume auto.")
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -610,7 +597,7 @@ def save_checkpoint(run: Run) -> Path:
         _compact_optimizer_file(d)
     if run.main:
         state = {"step": run.step, "cpu_seconds": run.cpu_seconds, "config": asdict(run.cfg)}
-        (d / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
+        (d / STATE_FILE).write_text(json.dumps(state, indent=1, default=str, allow_nan=False))
         for old in _checkpoints(run.output)[: -run.cfg.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
     acc.wait_for_everyone()
@@ -637,7 +624,7 @@ def export_snapshot(run: Run) -> Path | None:
     if run.main:
         export_model(run.cfg, run.setup.lm, run.bare, d, state_dict=sd)
         (d / "trained.json").write_text(json.dumps({"step": run.step, "seen": run.step * run.per_step,
-                                                    "cpu_seconds": round(run.cpu_seconds, 2)}))
+                                                    "cpu_seconds": round(run.cpu_seconds, 2)}, allow_nan=False))
     run.accelerator.wait_for_everyone()
     return d if run.main else None
 
@@ -668,7 +655,7 @@ def finish(run: Run) -> None:
         print(f"saved {run.output / 'final'}", file=sys.stderr)
     if run.cfg.debug_dump_params:
         (run.output / f"params_rank{run.accelerator.process_index}.json").write_text(
-            json.dumps({"step": run.step, "sha256": params_digest(run.bare)}))
+            json.dumps({"step": run.step, "sha256": params_digest(run.bare)}, allow_nan=False))
     run.accelerator.wait_for_everyone()
     run.accelerator.end_training()
 
@@ -798,6 +785,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (DataError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteLossError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -125,11 +125,13 @@ def write_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
     """Write rows as JSONL (UTF-8)."""
     with Path(path).open("w", encoding="utf-8") as f:
         for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            f.write(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n")
 
 
 def encode(lm: Any, examples: Sequence[Example], seq_len: int) -> tuple[list[list[int]], list[int], int]:
     """Ground-truth sequences: ``lm.prompt_ids(prompt)`` + response tokens + EOS, cut at ``seq_len``.
+
+    Prompt and response are tokenised literally: text that spells a special token stays text.
 
     Returns:
         ``(sequences, response_starts, dropped)``: rows whose prompt leaves no room for a response
@@ -138,14 +140,16 @@ def encode(lm: Any, examples: Sequence[Example], seq_len: int) -> tuple[list[lis
     Raises:
         DataError: an example without a response; every example dropped.
     """
+    from .text import encode_literal
+
     tok = lm.tokenizer
-    eos = tok.eos_token_id
+    end = list(lm.stop_token_ids[:1])  # the model's EOS; a model without one ends its rows without it
     seqs, starts, dropped = [], [], 0
     for ex in examples:
         if ex.response is None:
             raise DataError(f"{ex.where}: no response to train on (generate them with --self-distill-answers).")
         p = lm.prompt_ids(ex.prompt)
-        r = tok(ex.response, add_special_tokens=False)["input_ids"] + [eos]
+        r = encode_literal(tok, ex.response) + end  # response text is content, never markup
         seq = (p + r)[:seq_len]
         if len(p) >= len(seq):
             dropped += 1

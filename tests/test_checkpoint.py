@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
 import torch
 
+from model.adapter_format import META_FILE, MTPMeta, read_meta, save_mtp_checkpoint
 from model.checkpoint import (
-    ADAPTER_META,
     CheckpointError,
     DEFAULT_MASK_TOKEN,
     find_mask_token,
     load_checkpoint,
-    save_mask_rows,
     smollm2_gguf_path,
 )
 from model.decoding import confadapt, generate, standard
@@ -61,18 +61,30 @@ def test_added_mask_row_is_mean_initialised_and_reproducible(tiny_dir):
     assert (ea[-1] - mean).norm() < (ea[:-1] - mean).norm(dim=-1).mean() * 2
 
 
-def test_adapter_dir_applies_mask_rows(tiny_dir, tmp_path):
+def test_full_model_round_trip_keeps_its_metadata(tiny_dir, tmp_path):
+    """The one writer (save_mtp_checkpoint) and the one reader (load_checkpoint) agree on a full model:
+    weights, mask row, prompt format and trained k_max come back."""
     lm = load_checkpoint(str(tiny_dir), device="cpu")
     with torch.no_grad():
         lm.model.get_input_embeddings().weight[lm.mask_token_id] = 0.5
-    out = tmp_path / "adapter"
-    save_mask_rows(lm.model, lm.mask_token_id, out)
-    (out / ADAPTER_META).write_text(json.dumps({"base": str(tiny_dir), "mask_token": DEFAULT_MASK_TOKEN,
-                                                "adapter": "none"}))
+    meta = MTPMeta(base=str(tiny_dir), adapter="full", mask_token=DEFAULT_MASK_TOKEN, prompt_format="bos_newlines",
+                   k_max=6)
+    out = save_mtp_checkpoint(tmp_path / "full", lm.model, meta, mask_token_id=lm.mask_token_id,
+                              tokenizer=lm.tokenizer, save_dtype=torch.float32)
+    assert read_meta(out) == meta
     loaded = load_checkpoint(str(out), device="cpu")
     assert loaded.mtp_trained and loaded.adapter is None
+    assert loaded.prompt_format == "bos_newlines" and loaded.trained_k_max == 6
     row = loaded.model.get_input_embeddings().weight[loaded.mask_token_id]
     assert torch.all(row == 0.5)
+    same_prompts = dataclasses.replace(lm, prompt_format="bos_newlines")
+    assert generate(loaded, "Hi", standard(), 6).token_ids == generate(same_prompts, "Hi", standard(), 6).token_ids
+
+
+def test_unknown_adapter_kind_is_refused(tmp_path):
+    (tmp_path / META_FILE).write_text(json.dumps({"base": "x", "adapter": "mask_only"}))
+    with pytest.raises(CheckpointError, match="unknown adapter kind 'mask_only'"):
+        load_checkpoint(str(tmp_path))
 
 
 @pytest.mark.parametrize(
@@ -90,13 +102,19 @@ def test_bad_sources_raise_clear_errors(source, message):
         load_checkpoint(source)
 
 
+def test_a_file_that_is_not_a_model(tmp_path):
+    (tmp_path / "README.md").write_text("# hello")
+    with pytest.raises(CheckpointError, match="exists but is not a model"):
+        load_checkpoint(str(tmp_path / "README.md"))
+
+
 def test_directory_without_config(tmp_path):
     with pytest.raises(CheckpointError, match="no config.json"):
         load_checkpoint(str(tmp_path))
 
 
 def test_bad_adapter_metadata(tmp_path):
-    (tmp_path / ADAPTER_META).write_text("{not json")
+    (tmp_path / META_FILE).write_text("{not json")
     with pytest.raises(CheckpointError, match="Cannot read"):
         load_checkpoint(str(tmp_path))
 

@@ -14,7 +14,7 @@ from model.decoding import Decoder, standard
 from model.self_answers import as_examples, greedy_answers, main, write_answers
 from model.train import TrainConfig, mix_reference, train
 from model.train_data import Example, load_examples
-from tests.conftest import make_tiny_untied
+from tests.conftest import make_tiny
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -27,7 +27,7 @@ def tiny_model_dir(tmp_path_factory, base_tokenizer):
     """A local HF model directory: a tiny random Llama + the real SmolLM2 tokenizer."""
     d = tmp_path_factory.mktemp("tiny") / "model"
     tok = copy.deepcopy(base_tokenizer)
-    make_tiny_untied(tok, torch.float32).save_pretrained(str(d))
+    make_tiny(tok).save_pretrained(str(d))
     tok.save_pretrained(str(d))
     return d
 
@@ -45,7 +45,7 @@ def test_batched_answers_equal_unbatched_greedy(base_tokenizer, dtype):
     answer (standard decoding) and generate's answer for the prompt alone; prompts of different
     lengths (2 to 30+ tokens of padding) in one batch."""
     tok = copy.deepcopy(base_tokenizer)
-    lm = wrap_model(make_tiny_untied(tok, dtype), tok, source="tiny")
+    lm = wrap_model(make_tiny(tok, dtype=dtype), tok, source="tiny")
     ids = [lm.prompt_ids(p) for p in PROMPTS]
     assert max(map(len, ids)) - min(map(len, ids)) > 10
     batched = greedy_answers(lm, ids, 12)
@@ -59,7 +59,7 @@ def test_stop_token_ends_the_answer(base_tokenizer):
     """An answer ends at the first stop token (included in the ids, marked stopped in the file, left
     out of the text); the mask token is never generated."""
     tok = copy.deepcopy(base_tokenizer)
-    lm = wrap_model(make_tiny_untied(tok, torch.float64), tok, source="tiny")
+    lm = wrap_model(make_tiny(tok, dtype=torch.float64), tok, source="tiny")
     ids = lm.prompt_ids(PROMPTS[1])
     free = greedy_answers(lm, [ids], 8)[0]
     # Make the 3rd greedy token a stop token: it is the one the model would emit there anyway.
@@ -74,7 +74,7 @@ def test_answer_file_resumes_and_trains(base_tokenizer, tmp_path):
     redoing the others; load_examples reads it (prompt/response) and the trainer trains on it; the
     reference mix swaps a share of rows to their reference answers."""
     tok = copy.deepcopy(base_tokenizer)
-    lm = wrap_model(make_tiny_untied(tok, torch.float32), tok, source="tiny")
+    lm = wrap_model(make_tiny(tok), tok, source="tiny")
     examples = [Example(p, f"reference {i}") for i, p in enumerate(PROMPTS)]
     path = tmp_path / "answers.jsonl"
     rows3 = write_answers(lm, examples, path, limit=3, batch_size=2, max_new_tokens=6, show_progress=False)
