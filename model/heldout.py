@@ -48,16 +48,16 @@ def _setup(lm: LoadedModel) -> Any:
     return Setup(lm=lm, student=lm.model, teacher=None, teacher_context=None, kind=kind)
 
 
-def _se(p: float, n: int) -> float:
-    return math.sqrt(max(p * (1 - p), 0.0) / n) if n else float("nan")
+def _se(p: float, n: int) -> float | None:
+    return math.sqrt(max(p * (1 - p), 0.0) / n) if n else None
 
 
-def _cluster_se(num: Sequence[float], den: Sequence[float]) -> float:
-    """Standard error of a ratio of sums, clustered by row (the delta method over rows)."""
+def _cluster_se(num: Sequence[float], den: Sequence[float]) -> float | None:
+    """Standard error of a ratio of sums, clustered by row (the delta method over rows); None for < 2 rows."""
     n = len(num)
     tot_d = sum(den)
     if n < 2 or tot_d == 0:
-        return float("nan")
+        return None
     r = sum(num) / tot_d
     resid = [(a - r * b) for a, b in zip(num, den)]
     mean_d = tot_d / n
@@ -78,14 +78,15 @@ def score_agreement(lm: LoadedModel, seqs: Sequence[Sequence[int]], starts: Sequ
     from .train import batch_objective
 
     setup = _setup(lm)
-    eos = lm.tokenizer.eos_token_id
+    eos = int(lm.stop_token_ids[0]) if lm.stop_token_ids else -1
     rows: list[dict] = []  # per sequence sums
     by_block = {j: [0, 0, 0] for j in range(1, k)}  # agree, match, n
     was_training = lm.model.training
     lm.model.eval()
     for i in range(0, len(seqs), batch_size):
         bs, bst = list(seqs[i:i + batch_size]), list(starts[i:i + batch_size])
-        regions = place_regions(bs, bst, k=k, offset=0, spacing=spacing, num_regions=10_000, eos_token_id=eos)
+        regions = place_regions(bs, bst, k=k, offset=0, spacing=spacing, num_regions=10_000,
+                                eos_token_id=list(lm.stop_token_ids))
         out = batch_objective(setup, lm.model, lm.model, bs, bst, k=k, offset=0, spacing=spacing, num_regions=10_000)
         if out is None:
             continue
@@ -237,10 +238,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 res["decode"] = decode_effective_k(lm, [r.prompt for r in sel], [r.response for r in sel], taus=taus,
                                                    k_max=args.k_max, max_new_tokens=args.max_new_tokens)
             report["models"][spec] = res
-            out.write_text(json.dumps(report, indent=1))
+            out.write_text(json.dumps(report, indent=1, allow_nan=False))
             a = res.get("agreement_set", {})
             d = res.get("decode", {})
-            print(f"{spec}: agreement {a.get('agreement', float('nan')):.3f} ± {a.get('agreement_se_cluster', float('nan')):.3f} "
+            print(f"{spec}: agreement {a.get('agreement', float('nan')):.3f} ± {a.get('agreement_se_cluster') or float('nan'):.3f} "
                   f"match {a.get('match', float('nan')):.3f} sim_k {a.get('sim_k')} "
                   f"decode k {({t: round(v['effective_k'], 3) for t, v in d.items()})}", file=sys.stderr)
     except (DataError, CheckpointError, ValueError) as e:

@@ -66,8 +66,3 @@ def native_bf16(device: str | torch.device = "cpu") -> bool:
     if dev.type == "cpu":
         return _cpu_has_bf16()
     return False
-
-
-def auto_mixed_precision(device: str | torch.device) -> str:
-    """The trainer's ``--mixed-precision auto``: ``"bf16"`` where :func:`native_bf16`, else ``"no"``."""
-    return "bf16" if native_bf16(device) else "no"

@@ -46,7 +46,9 @@ def greedy_answers(lm: LoadedModel, prompts: Sequence[Sequence[int]], max_new_to
     """
     if not prompts:
         return []
-    pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else lm.stop_token_ids[0]
+    pad = lm.tokenizer.pad_token_id
+    if pad is None:
+        pad = lm.stop_token_ids[0] if lm.stop_token_ids else 0
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     attn = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -57,7 +59,7 @@ def greedy_answers(lm: LoadedModel, prompts: Sequence[Sequence[int]], max_new_to
     with torch.inference_mode(), lm.base_model() as model:
         out = model.generate(
             input_ids=ids.to(lm.device), attention_mask=attn.to(lm.device), max_new_tokens=max_new_tokens,
-            do_sample=False, eos_token_id=list(lm.stop_token_ids), pad_token_id=pad,
+            do_sample=False, eos_token_id=list(lm.stop_token_ids) or None, pad_token_id=pad,
             suppress_tokens=[lm.mask_token_id], temperature=None, top_p=None, top_k=None,
         )
     answers = []
@@ -85,7 +87,7 @@ def _read_done(path: Path) -> dict[int, dict]:
                 broken = True
     if broken:
         tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done.values()), encoding="utf-8")
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n" for r in done.values()), encoding="utf-8")
         tmp.replace(path)
     return done
 
@@ -125,7 +127,7 @@ def write_answers(lm: LoadedModel, examples: Sequence[Example], path: str | Path
                 row = {"index": i, "prompt": examples[i].prompt, "response": text,
                        "reference": examples[i].response, "tokens": len(body), "stopped": stopped,
                        "generated_by": lm.source}
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                f.write(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
                 done[i] = row
             f.flush()
             bar.update(len(chunk))

@@ -48,10 +48,10 @@ import torch
 
 from .adapter_format import MTPMeta, load_mask_rows, read_meta, save_mtp_checkpoint
 from .checkpoint import DEFAULT_MASK_TOKEN, DEFAULT_SOURCE, PROMPT_FORMATS, CheckpointError, LoadedModel, load_checkpoint
+from .precision import native_bf16
 from .strategies import DEFAULT_K_MAX, MAX_K_MAX
 from .layout import build_layout, build_span_layout, default_num_regions, place_regions, sample_block
 from .objective import alora_objective, mtp_objective
-from .precision import auto_mixed_precision
 from .train_data import DataError, Example, encode, load_examples
 
 LOG_FILE = "train_log.jsonl"
@@ -334,9 +334,15 @@ def batch_indices(step: int, micro: int, rank: int, cfg: TrainConfig, world: int
 
 # ------------------------------------------------------------------------------ the objective on one batch
 def pad_id(lm: LoadedModel) -> int:
-    """The padding id of layouts (the tokenizer's pad token, else its EOS)."""
+    """The padding id of layouts (the tokenizer's pad token, else the model's EOS, else 0)."""
     tok = lm.tokenizer
-    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    if tok.pad_token_id is not None:
+        return int(tok.pad_token_id)
+    return int(lm.stop_token_ids[0]) if lm.stop_token_ids else 0
+
+
+class NonFiniteLossError(RuntimeError):
+    """A training step produced a non-finite loss or gradient; nothing was updated or written."""
 
 
 def batch_objective(setup: Setup, model: Any, bare: Any, seqs: Sequence[Sequence[int]], starts: Sequence[int], *,
@@ -352,9 +358,12 @@ def batch_objective(setup: Setup, model: Any, bare: Any, seqs: Sequence[Sequence
         The :class:`~model.objective.StepOutput`, or None when the batch holds no region.
     """
     lm = setup.lm
-    eos, pad = lm.tokenizer.eos_token_id, pad_id(lm)
+    pad = pad_id(lm)
+    # Rows end with the model's first stop token (train_data.encode); a model without one has no EOS
+    # rule (no region ever reaches an EOS, so the label used after it never appears).
+    eos = int(lm.stop_token_ids[0]) if lm.stop_token_ids else pad
     regions = place_regions(seqs, starts, k=k, offset=offset, spacing=spacing, num_regions=num_regions,
-                            eos_token_id=eos)
+                            eos_token_id=list(lm.stop_token_ids))
     if not regions:
         return None
     layout = build_layout(seqs, regions, mask_token_id=lm.mask_token_id, pad_token_id=pad)
@@ -431,7 +440,7 @@ class Run:
         """Append one JSON line to ``train_log.jsonl`` (main process)."""
         if self.main:
             with (self.output / LOG_FILE).open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(record, allow_nan=False) + "\n")
 
 
 def resolve_mixed_precision(cfg: TrainConfig, device: torch.device) -> str:
@@ -439,7 +448,7 @@ def resolve_mixed_precision(cfg: TrainConfig, device: torch.device) -> str:
     bf16 natively (CUDA, CPUs with AVX512-BF16 / AMX: :func:`model.precision.native_bf16`), else no."""
     if cfg.mixed_precision != "auto":
         return cfg.mixed_precision
-    return auto_mixed_precision(device)
+    return "bf16" if native_bf16(device) else "no"
 
 
 def build_optimizer(cfg: TrainConfig, student: Any) -> tuple[list, Any, Any]:
@@ -518,6 +527,15 @@ def train_step(run: Run) -> dict:
         for key, v in out.metrics().items():
             sums[key] = sums.get(key, 0.0) + float(v)
     grad_norm = acc.clip_grad_norm_(run.params, cfg.grad_clip)
+    bad = torch.tensor([float(not math.isfinite(sums["loss"]) or not math.isfinite(float(grad_norm)))],
+                       device=acc.device)
+    if float(acc.reduce(bad, reduction="max")) > 0:  # every process stops, before any update
+        run.optimizer.zero_grad(set_to_none=True)
+        last = _checkpoints(run.output)
+        raise NonFiniteLossError(
+            f"step {run.step + 1} (k={k}, offset {offset}): non-finite loss or gradient (loss {sums['loss']}, grad "
+            f"norm {float(grad_norm)}); nothing was updated. Last resumable checkpoint: "
+            f"{last[-1] if last else 'none'}. Lower --lr or use --mixed-precision no, then --resume auto.")
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -579,7 +597,7 @@ def save_checkpoint(run: Run) -> Path:
         _compact_optimizer_file(d)
     if run.main:
         state = {"step": run.step, "cpu_seconds": run.cpu_seconds, "config": asdict(run.cfg)}
-        (d / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
+        (d / STATE_FILE).write_text(json.dumps(state, indent=1, default=str, allow_nan=False))
         for old in _checkpoints(run.output)[: -run.cfg.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
     acc.wait_for_everyone()
@@ -606,7 +624,7 @@ def export_snapshot(run: Run) -> Path | None:
     if run.main:
         export_model(run.cfg, run.setup.lm, run.bare, d, state_dict=sd)
         (d / "trained.json").write_text(json.dumps({"step": run.step, "seen": run.step * run.per_step,
-                                                    "cpu_seconds": round(run.cpu_seconds, 2)}))
+                                                    "cpu_seconds": round(run.cpu_seconds, 2)}, allow_nan=False))
     run.accelerator.wait_for_everyone()
     return d if run.main else None
 
@@ -637,7 +655,7 @@ def finish(run: Run) -> None:
         print(f"saved {run.output / 'final'}", file=sys.stderr)
     if run.cfg.debug_dump_params:
         (run.output / f"params_rank{run.accelerator.process_index}.json").write_text(
-            json.dumps({"step": run.step, "sha256": params_digest(run.bare)}))
+            json.dumps({"step": run.step, "sha256": params_digest(run.bare)}, allow_nan=False))
     run.accelerator.wait_for_everyone()
     run.accelerator.end_training()
 
@@ -767,6 +785,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (DataError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteLossError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
