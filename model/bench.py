@@ -1,25 +1,41 @@
-"""Wall-clock benchmark: HF ``generate`` greedy vs our standard loop, static k and ConfAdapt.
+"""Wall-clock benchmark: decoding speed against HF ``generate``, and the cost of a forward pass by width.
 
-    python -m model.bench --model smollm2-135m --prompts 2 --repeats 3 --max-new-tokens 32 \\
-        --strategies standard,static:2,static:3,confadapt:0.9
+    python -m model.bench --threads 1            # the embedded default, 3 GSM8K test prompts x 64 new tokens
+    python -m model.bench --strategies standard,confadapt:0.9:4,verify:4 --data test.jsonl --prompts 5
+    python -m model.bench --path library         # the same with the fast path off (transformers + peft)
 
-All methods run in one process on the same prompts. Each repeat runs every prompt with every
-method, the order of methods rotating from one repeat to the next (so no method always runs
-first or last); each generation is timed on its own, wall-clock, device synchronised, Python
-overhead included. A method's speed in one repeat is its generated tokens over its seconds
-summed over the prompts; the table shows the median over repeats and its ratio to HF
-``generate`` (the paper reports wall-clock speed-ups the same way, section 4.5). One untimed
-warm-up generation per method comes first.
+Everything runs in one process, methods alternating, medians over repeats:
 
-On CUDA it also prints the bytes of weights read per second (forward passes per second times the
-model's weight bytes: a batch-1 forward pass reads every weight once) against the device's memory
-bandwidth, measured with a large device-to-device copy. Bad arguments exit with status 2.
+1. **Tokens per second** of HF ``generate`` (greedy) on the *plain base model* — what a user would run:
+   the base without any peft wrapper, in the same dtype — and of each strategy of ours (the loaded
+   model, MTP adapter included). Each repeat runs every prompt with every method, the order of
+   methods rotating from one repeat to the next; each generation is timed on its own, wall-clock,
+   device synchronised, Python overhead included. A method's speed in one repeat is its generated
+   tokens over its seconds summed over the prompts; the table shows the median over repeats and
+   its ratio to HF ``generate`` (the paper reports wall-clock speed-ups the same way, section 4.5).
+   One untimed warm-up generation per method comes first.
+2. **Width curve**: milliseconds per forward pass over a cached prompt, by tokens fed (1, 2, 4, 8, 16):
+   transformers' forward of the plain base (T real tokens), ours on the base weights (T real
+   tokens: a prefill / verify-like pass) and ours with the adapter (1 real token + T-1 mask tokens:
+   an MTP pass), each with its ratio to our 1-token base pass.
+3. **Bandwidth**: the weight bytes a 1-token pass reads (every parameter once; an untied input
+   embedding is not read whole) over the time of that pass, beside the device's measured read
+   bandwidth (CPU: the sum of a 1 GiB tensor; CUDA: a 1 GiB device copy, read + write).
+
+The report states the dtype, the forward path (:attr:`model.checkpoint.LoadedModel.forward_path`),
+torch threads and the load average before and after (other jobs on the machine slow every method;
+the ratios, measured side by side, are what to read). Default prompts: the first problems of
+``assets/gsm8k_test_sample.jsonl`` (GSM8K test split, MIT licence; see assets/README.md);
+``--data`` takes any GSM8K-format JSONL. Bad arguments exit with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -28,19 +44,17 @@ from typing import Any, Sequence
 
 import torch
 
-from .checkpoint import DEFAULT_SOURCE, CheckpointError, LoadedModel, load_checkpoint
-from .decoding import hf_generate, run
+from .checkpoint import DEFAULT_SOURCE, REPO_ROOT, CheckpointError, LoadedModel, load_checkpoint
+from .decoding import Decoder, check_max_new_tokens, hf_generate
 from .evaluate import load_problems, make_prompt
-from .strategies import SPEC_HELP, check_max_new_tokens, parse_strategies
+from .strategies import parse_strategies
 
 HF = "hf_generate"
-DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
-FALLBACK_PROMPTS = [
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-    "How many clips did Natalia sell altogether in April and May?",
-    "Write a short paragraph about why the sky is blue.",
-    "List three uses of a paper clip.",
-]
+DEFAULT_DATA = REPO_ROOT / "assets" / "gsm8k_test_sample.jsonl"
+DEFAULT_STRATEGIES = "standard,confadapt:0.9:4,verify:4,confadapt:0.9:16"
+DEFAULT_WIDTHS = (1, 2, 4, 8, 16)
+WIDTH_PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+                "How many clips did Natalia sell altogether in April and May?")
 
 
 def _sync(device: torch.device) -> None:
@@ -60,20 +74,51 @@ def weight_bytes(model: Any) -> int:
     return total
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Measured device memory bandwidth in bytes/s: (read + write) bytes of a large copy / seconds (median)."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
+def pass_bytes(model: Any) -> int:
+    """Bytes a 1-token forward pass reads: every parameter once, except an input embedding that is
+    not tied to the output embedding (a pass reads one of its rows, not all of it)."""
+    total = weight_bytes(model)
+    emb, out = model.get_input_embeddings(), model.get_output_embeddings()
+    if emb is not None and (out is None or out.weight.data_ptr() != emb.weight.data_ptr()):
+        total -= emb.weight.numel() * emb.weight.element_size()
+    return total
+
+
+def read_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> tuple[float, str]:
+    """Measured memory bandwidth in bytes/s and how it was measured: on CUDA a device-to-device copy of
+    ``nbytes`` ((read + write) bytes / seconds), elsewhere the sum of an ``nbytes`` float32 tensor
+    (bytes read / seconds; one pass over memory, the threads torch uses). Median of ``repeats``."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    cuda = device.type == "cuda"
+    y = torch.empty_like(x) if cuda else None
     times = []
-    for _ in range(repeats):
+    for i in range(repeats + 1):
         _sync(device)
         t0 = time.perf_counter()
-        dst.copy_(src)
+        if cuda:
+            y.copy_(x)  # type: ignore[union-attr]
+        else:
+            x.sum()
         _sync(device)
-        times.append(time.perf_counter() - t0)
-    del src, dst
-    return 2 * nbytes / statistics.median(times)
+        if i:  # the first run warms up
+            times.append(time.perf_counter() - t0)
+    del x, y
+    if cuda:
+        return 2 * nbytes / statistics.median(times), "device copy of 1 GiB (read + write)"
+    return nbytes / statistics.median(times), "sum of a 1 GiB float32 tensor (read)"
+
+
+def plain_base(lm: LoadedModel) -> LoadedModel:
+    """The base model as a user would run it: without peft's wrapper and LoRA layers (a copy of the
+    weights, the adapter removed), same dtype and device. A model without a peft adapter is returned
+    as is."""
+    from peft import PeftModel
+
+    if not isinstance(lm.model, PeftModel):
+        return lm
+    base = copy.deepcopy(lm.model).unload()
+    base.eval()
+    return dataclasses.replace(lm, model=base, adapter=None)
 
 
 def run_one(lm: LoadedModel, method: str, strategy: Any, prompt_ids: list[int], max_new_tokens: int) -> dict:
@@ -89,58 +134,133 @@ def run_one(lm: LoadedModel, method: str, strategy: Any, prompt_ids: list[int], 
         ids = hf_generate(lm, prompt_ids, max_new_tokens)
         passes = len(ids)
     else:
-        res = run(lm, prompt_ids, strategy, max_new_tokens)
-        ids, passes = res.token_ids, res.forward_passes
+        dec = Decoder(lm, prompt_ids, strategy, max_new_tokens)
+        for _ in dec:
+            pass
+        ids = dec.generated
+        passes = len(dec.passes)
     _sync(dev)
     return {"tokens": len(ids), "forward_passes": passes, "seconds": time.perf_counter() - t0, "token_ids": ids}
+
+
+@torch.inference_mode()
+def width_curve(lm: LoadedModel, plain: LoadedModel, widths: Sequence[int] = DEFAULT_WIDTHS, repeats: int = 15,
+                prompt: str = WIDTH_PROMPT) -> dict:
+    """Milliseconds per forward pass by tokens fed, over a cached prompt (see the module docstring).
+
+    Returns:
+        ``{"context_tokens", "widths", "rows": [{"name", "label", "ms": [median per width],
+        "ratio": [ms / ours_base at width 1]}]}``; ``ours_adapter`` only when ``lm`` has an adapter.
+    """
+    from transformers import DynamicCache
+
+    ids = lm.prompt_ids(prompt)
+    dev, mask = lm.device, lm.mask_token_id
+    real = [t for t in ids if t != mask] or [0]
+
+    def tokens(n_real: int, n_masks: int) -> torch.Tensor:
+        return torch.tensor([(real * 16)[:n_real] + [mask] * n_masks], dtype=torch.long, device=dev)
+
+    def hf_pass(cache: Any, t: int) -> None:
+        plain.model(input_ids=tokens(t, 0), past_key_values=cache, use_cache=True, logits_to_keep=t)
+        cache.crop(-t)
+
+    def ours(cache: Any, t: int, with_adapter: bool) -> None:
+        m = t - 1 if with_adapter else 0
+        lm.forward(tokens(t - m, m), cache, num_masks=m, logits_to_keep=t)
+        cache.crop(-t)
+
+    hf_cache = DynamicCache(config=plain.model.config)
+    plain.model(input_ids=torch.tensor([ids], device=dev), past_key_values=hf_cache, use_cache=True, logits_to_keep=1)
+    our_cache = lm.new_cache()
+    lm.forward(torch.tensor([ids], device=dev), our_cache, num_masks=0, logits_to_keep=1)
+    methods: list[tuple[str, str, Any]] = [
+        ("hf_plain", "transformers forward, plain base", lambda t: hf_pass(hf_cache, t)),
+        ("ours_base", "ours, base weights (T real tokens)", lambda t: ours(our_cache, t, False)),
+    ]
+    if lm.adapter is not None:
+        methods.append(("ours_adapter", "ours + adapter (1 real + T-1 masks)", lambda t: ours(our_cache, t, True)))
+    ms: dict[str, list[float]] = {name: [] for name, _, _ in methods}
+    for t in widths:
+        times: dict[str, list[float]] = {name: [] for name, _, _ in methods}
+        for _, _, f in methods:
+            f(t)  # warm-up at this width
+        for r in range(repeats):
+            order = methods[r % len(methods):] + methods[: r % len(methods)]
+            for name, _, f in order:
+                _sync(dev)
+                t0 = time.perf_counter()
+                f(t)
+                _sync(dev)
+                times[name].append(time.perf_counter() - t0)
+        for name in ms:
+            ms[name].append(1e3 * statistics.median(times[name]))
+    ref = ms["ours_base"][0] if widths and widths[0] == 1 else None
+    rows = [{"name": name, "label": label, "ms": ms[name],
+             "ratio": [v / ref for v in ms[name]] if ref else None} for name, label, _ in methods]
+    return {"context_tokens": len(ids), "widths": list(widths), "rows": rows}
 
 
 def bench(
     lm: LoadedModel,
     prompts: Sequence[str],
-    strategy_specs: str | Sequence[str] = "standard,static:2,static:3,confadapt:0.9",
+    strategy_specs: str | Sequence[str] = DEFAULT_STRATEGIES,
     *,
     repeats: int = 3,
-    max_new_tokens: int = 32,
+    max_new_tokens: int = 64,
     warmup: bool = True,
+    widths: Sequence[int] = DEFAULT_WIDTHS,
+    width_repeats: int = 15,
+    measure_bandwidth: bool = True,
+    plain: LoadedModel | None = None,
 ) -> dict:
-    """Time HF ``generate`` and each strategy on the same prompts, alternating (see module docstring).
+    """Time HF ``generate`` on the plain base and each strategy, then the width curve and bandwidth.
 
     Args:
-        lm: the model.
+        lm: the model our strategies run (adapter included).
         prompts: user messages (formatted with the model's prompt format).
-        strategy_specs: our strategies (``standard``, ``static:K``, ``confadapt:TAU[:K_MAX]``).
+        strategy_specs: our strategies (``standard``, ``static:K``, ``confadapt:TAU[:K_MAX]``,
+            ``verify[:K_MAX]``; k_max defaults to the adapter's).
         repeats: timed rounds; the median over them is reported.
         max_new_tokens: per generation.
         warmup: one untimed generation per method first.
+        widths: tokens per pass of the width curve (empty: no curve).
+        width_repeats: timed passes per width and method (median).
+        measure_bandwidth: measure the device's memory bandwidth (1 GiB).
+        plain: the plain base for HF ``generate`` (default :func:`plain_base` of ``lm``).
 
     Returns:
-        ``{"config", "methods": [{"method", "tokens_per_second" (median), "runs" (per-repeat
-        tokens/s), "ratio_to_hf", "effective_k", "forward_passes_per_second", "tokens",
-        "weight_bytes_per_second" (CUDA only)}], "standard_matches_hf", "memory_bandwidth"}``.
+        ``{"config", "methods": [{"method", "label", "tokens_per_second" (median), "runs",
+        "ratio_to_hf", "effective_k", "forward_passes_per_second", "tokens", "forward_passes"}],
+        "standard_matches_hf", "verify_matches_standard", "width", "bandwidth"}``.
 
     Raises:
-        ValueError: no prompts, repeats < 1, bad max_new_tokens or strategy.
+        ValueError: no prompts, repeats < 1, bad max_new_tokens, strategy or width.
     """
     check_max_new_tokens(max_new_tokens)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an integer ≥ 1, got {repeats!r}.")
     if not prompts:
         raise ValueError("No prompts to benchmark.")
+    if any(isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 64 for w in widths):
+        raise ValueError(f"widths must be integers from 1 to 64, got {list(widths)!r}.")
+    load_before = _loadavg()
     strategies = parse_strategies(strategy_specs, lm.default_k_max)
+    plain = plain if plain is not None else plain_base(lm)
+    runners = {HF: plain}
     methods: list[tuple[str, Any]] = [(HF, None)] + [(s.spec, s) for s in strategies]
     prompt_ids = [lm.prompt_ids(p) for p in prompts]
     if warmup:
         for name, s in methods:
-            run_one(lm, name, s, prompt_ids[0], min(max_new_tokens, 8))
+            run_one(runners.get(name, lm), name, s, prompt_ids[0], min(max_new_tokens, 8))
     per: dict[str, list[dict]] = {name: [] for name, _ in methods}
     outputs: dict[str, list[list[int]]] = {name: [] for name, _ in methods}
     for r in range(repeats):
         order = methods[r % len(methods):] + methods[: r % len(methods)]
         totals = {name: {"tokens": 0, "forward_passes": 0, "seconds": 0.0} for name, _ in methods}
-        for i, ids in enumerate(prompt_ids):
+        for ids in prompt_ids:
             for name, s in order:
-                res = run_one(lm, name, s, ids, max_new_tokens)
+                res = run_one(runners.get(name, lm), name, s, ids, max_new_tokens)
                 for key in ("tokens", "forward_passes", "seconds"):
                     totals[name][key] += res[key]
                 if r == 0:
@@ -148,77 +268,138 @@ def bench(
         for name, _ in methods:
             per[name].append(totals[name])
 
-    wbytes = weight_bytes(lm.model)
-    on_cuda = lm.device.type == "cuda"
-    bandwidth = copy_bandwidth(lm.device) if on_cuda else None
     rows = []
     for name, s in methods:
         runs = per[name]
         tps = [t["tokens"] / t["seconds"] if t["seconds"] > 0 else 0.0 for t in runs]
         pps = [t["forward_passes"] / t["seconds"] if t["seconds"] > 0 else 0.0 for t in runs]
-        row = {
-            "method": name, "label": "HF generate (greedy)" if s is None else s.label,
+        rows.append({
+            "method": name, "label": "HF generate, plain base" if s is None else s.label,
             "tokens_per_second": statistics.median(tps), "runs": tps,
             "forward_passes_per_second": statistics.median(pps),
             "tokens": runs[0]["tokens"], "forward_passes": runs[0]["forward_passes"],
             "effective_k": runs[0]["tokens"] / runs[0]["forward_passes"] if runs[0]["forward_passes"] else 0.0,
-        }
-        if on_cuda:
-            row["weight_bytes_per_second"] = row["forward_passes_per_second"] * wbytes
-            row["fraction_of_bandwidth"] = row["weight_bytes_per_second"] / bandwidth if bandwidth else None
-        rows.append(row)
+        })
     hf_tps = rows[0]["tokens_per_second"]
     for row in rows:
         row["ratio_to_hf"] = row["tokens_per_second"] / hf_tps if hf_tps > 0 else None
-    std_match = (outputs["standard"] == outputs[HF]) if "standard" in outputs else None
+    std = outputs.get("standard")
+    verify_specs = [s.spec for s in strategies if s.verifies]
+
+    width = width_curve(lm, plain, widths, width_repeats) if widths else None
+    bandwidth = None
+    nbytes = pass_bytes(plain.model)
+    if measure_bandwidth:
+        bw, how = read_bandwidth(lm.device)
+        bandwidth = {"measured_bytes_per_second": bw, "measured_by": how, "pass_bytes": nbytes}
+        if width is not None and width["widths"][0] == 1:
+            for row in width["rows"]:
+                if row["name"] in ("hf_plain", "ours_base"):
+                    achieved = nbytes / (row["ms"][0] / 1e3)
+                    bandwidth[row["name"]] = {"ms_per_pass": row["ms"][0], "bytes_per_second": achieved,
+                                              "fraction": achieved / bw}
     return {
-        "config": {"model": lm.source, "device": str(lm.device), "dtype": str(next(lm.model.parameters()).dtype),
-                   "prompts": len(prompts), "repeats": repeats, "max_new_tokens": max_new_tokens,
-                   "torch_threads": torch.get_num_threads(), "weight_bytes": wbytes,
-                   "mtp_trained": lm.mtp_trained, "adapter": lm.adapter},
+        "config": {"model": lm.source, "device": str(lm.device), "dtype": lm.dtype_name,
+                   "forward_path": lm.forward_path, "hf_baseline": "HF generate on the plain base (no peft), "
+                   f"{plain.dtype_name}", "prompts": len(prompts), "repeats": repeats,
+                   "max_new_tokens": max_new_tokens, "torch_threads": torch.get_num_threads(),
+                   "weight_bytes": weight_bytes(plain.model), "pass_bytes": nbytes, "mtp_trained": lm.mtp_trained,
+                   "adapter": lm.adapter, "cpu": _cpu_name(), "load_average_before": load_before,
+                   "load_average_after": _loadavg()},
         "methods": rows,
-        "standard_matches_hf": std_match,
-        "memory_bandwidth": bandwidth,
+        "standard_matches_hf": (std == outputs[HF]) if std is not None else None,
+        "verify_matches_standard": {v: outputs[v] == std for v in verify_specs} if std is not None else {},
+        "width": width,
+        "bandwidth": bandwidth,
     }
 
 
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _cpu_name() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="ignore").splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def format_table(report: dict) -> str:
-    """The report as a plain-text table (one row per method)."""
-    cuda = report["memory_bandwidth"] is not None
-    head = f"{'method':<28} {'tokens/s':>9} {'x HF':>6} {'eff. k':>7} {'passes/s':>9} {'new tokens':>10}"
-    if cuda:
-        head += f" {'weights GB/s':>13} {'of bandwidth':>13}"
+    """The report as plain-text tables (tokens/s per method; width curve; bandwidth)."""
+    c = report["config"]
+    head = f"{'method':<34} {'tokens/s':>9} {'x HF':>6} {'eff. k':>7} {'passes/s':>9} {'new tokens':>10}"
     lines = [head, "-" * len(head)]
     for r in report["methods"]:
-        line = (f"{r['label']:<28} {r['tokens_per_second']:>9.1f} {r['ratio_to_hf']:>6.2f} "
-                f"{r['effective_k']:>7.2f} {r['forward_passes_per_second']:>9.1f} {r['tokens']:>10d}")
-        if cuda:
-            line += f" {r['weight_bytes_per_second'] / 1e9:>13.1f} {r['fraction_of_bandwidth']:>13.1%}"
-        lines.append(line)
-    c = report["config"]
+        lines.append(f"{r['label']:<34} {r['tokens_per_second']:>9.1f} {r['ratio_to_hf']:>6.2f} "
+                     f"{r['effective_k']:>7.2f} {r['forward_passes_per_second']:>9.1f} {r['tokens']:>10d}")
     lines.append(f"median of {c['repeats']} repeats x {c['prompts']} prompts x {c['max_new_tokens']} new tokens; "
-                 f"{c['device']} {c['dtype']}, {c['torch_threads']} torch threads; weights {c['weight_bytes'] / 1e6:.0f} MB")
-    if cuda:
-        lines.append(f"device memory bandwidth (measured copy): {report['memory_bandwidth'] / 1e9:.0f} GB/s")
+                 f"{c['device']} {c['dtype']}, {c['torch_threads']} torch threads; {c['forward_path']}")
+    lines.append(f"baseline: {c['hf_baseline']}; weights {c['weight_bytes'] / 1e6:.0f} MB")
+    if report["standard_matches_hf"] is not None:
+        lines.append(f"standard output == HF generate output: {report['standard_matches_hf']}")
+    for spec, same in report.get("verify_matches_standard", {}).items():
+        lines.append(f"{spec} output == standard output (lossless): {same}")
     lines.append("new tokens: generated in one repeat over all prompts; a method that hits a stop token early "
                  "spends a larger share of its time on the prefill")
-    if report["standard_matches_hf"] is not None:
-        lines.append(f"standard loop output == HF generate output: {report['standard_matches_hf']}")
+    w = report.get("width")
+    if w:
+        lines.append("")
+        lines.append(f"ms per forward pass by tokens fed (cache of {w['context_tokens']} tokens; "
+                     "x = ratio to our 1-token base pass)")
+        wh = f"{'':<40}" + "".join(f"{t:>14}" for t in w["widths"])
+        lines += [wh, "-" * len(wh)]
+        for row in w["rows"]:
+            cells = "".join(f"{ms:>7.1f} ({x:4.2f}x)" if row["ratio"] else f"{ms:>14.1f}"
+                            for ms, x in zip(row["ms"], row["ratio"] or [0] * len(row["ms"])))
+            lines.append(f"{row['label']:<40}{cells}")
+    b = report.get("bandwidth")
+    if b:
+        lines.append("")
+        lines.append(f"memory bandwidth measured: {b['measured_bytes_per_second'] / 1e9:.1f} GB/s ({b['measured_by']})")
+        for name, label in (("ours_base", "ours"), ("hf_plain", "transformers")):
+            if name in b:
+                x = b[name]
+                lines.append(f"bandwidth achieved, {label}: {b['pass_bytes'] / 1e6:.0f} MB of weights in "
+                             f"{x['ms_per_pass']:.1f} ms = {x['bytes_per_second'] / 1e9:.1f} GB/s "
+                             f"({x['fraction']:.0%} of measured)")
+    lb, la = c.get("load_average_before"), c.get("load_average_after")
+    if lb:
+        lines.append(f"load average (1/5/15 min) before {lb}, after {la}; cpu: {c.get('cpu')}")
     return "\n".join(lines)
+
+
+def _widths(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--widths must be comma-separated integers, got {text!r}.") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
     p = argparse.ArgumentParser(prog="python -m model.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_SOURCE)
-    p.add_argument("--strategies", default="standard,static:2,static:3,confadapt:0.9,verify",
-                   help=f"comma-separated: {SPEC_HELP} (K_MAX omitted: the adapter's trained k_max)")
-    p.add_argument("--prompts", type=int, default=2, help="number of prompts (GSM8K test questions)")
-    p.add_argument("--data", default=None, help=f"GSM8K-format JSONL for prompts (default {DEFAULT_DATA} if present)")
+    p.add_argument("--strategies", default=DEFAULT_STRATEGIES)
+    p.add_argument("--prompts", type=int, default=3, help="number of prompts (GSM8K test questions)")
+    p.add_argument("--data", default=None,
+                   help="GSM8K-format JSONL for prompts (default: assets/gsm8k_test_sample.jsonl)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--widths", default=",".join(map(str, DEFAULT_WIDTHS)),
+                   help="tokens per pass for the width curve ('' to skip it)")
+    p.add_argument("--width-repeats", type=int, default=15)
+    p.add_argument("--no-bandwidth", action="store_true", help="skip the 1 GiB bandwidth measurement")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--path", choices=["auto", "library"], default="auto",
+                   help="auto: the fast path where supported; library: transformers + peft only")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-adapter", action="store_true")
     p.add_argument("--json", default=None, help="also write the report to this JSON file")
@@ -231,26 +412,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_max_new_tokens(args.max_new_tokens)
         parse_strategies(args.strategies)
-        if args.prompts < 1:
-            raise ValueError(f"--prompts must be ≥ 1, got {args.prompts}.")
-        if args.repeats < 1:
-            raise ValueError(f"--repeats must be ≥ 1, got {args.repeats}.")
-        if args.threads is not None and args.threads < 1:
-            raise ValueError(f"--threads must be ≥ 1, got {args.threads}.")
-        data = args.data or (str(DEFAULT_DATA) if DEFAULT_DATA.is_file() else None)
-        if data:
-            prompts = [make_prompt(p["question"]) for p in load_problems(data, args.prompts)]
-        else:
-            prompts = (FALLBACK_PROMPTS * args.prompts)[: args.prompts]
+        widths = _widths(args.widths)
+        if any(not 1 <= w <= 64 for w in widths):
+            raise ValueError(f"--widths must be from 1 to 64, got {args.widths!r}.")
+        for name in ("prompts", "repeats", "width_repeats", "threads"):
+            value = getattr(args, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be ≥ 1, got {value}.")
+        data = args.data or str(DEFAULT_DATA)
+        prompts = [make_prompt(p["question"]) for p in load_problems(data, args.prompts)]
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
         lm = load_checkpoint(args.model, device=args.device, dtype=args.dtype, adapter=not args.no_adapter)
     except (ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    if args.path == "library":
+        lm = dataclasses.replace(lm, fast=False)
     for note in lm.warnings:
         print(f"note: {note}", file=sys.stderr)
-    report = bench(lm, prompts, args.strategies, repeats=args.repeats, max_new_tokens=args.max_new_tokens)
+    report = bench(lm, prompts, args.strategies, repeats=args.repeats, max_new_tokens=args.max_new_tokens,
+                   widths=widths, width_repeats=args.width_repeats, measure_bandwidth=not args.no_bandwidth)
     print(format_table(report))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

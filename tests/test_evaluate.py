@@ -263,34 +263,4 @@ def test_cli_five_gsm8k_problems_default_model(tmp_path, capsys):
     assert "static k=2" in capsys.readouterr().out
 
 
-# --------------------------------------------------------------------------- bench (tiny model)
-def test_bench_on_tiny_model(tiny_lm):
-    from model.bench import HF, bench, format_table, weight_bytes
-
-    rep = bench(tiny_lm, ["What is 2 + 3?", "Name a colour."], "standard,static:2,confadapt:0.0:4",
-                repeats=2, max_new_tokens=6)
-    methods = [r["method"] for r in rep["methods"]]
-    assert methods == [HF, "standard", "static:2", "confadapt:0:4"]
-    assert rep["standard_matches_hf"] is True  # our k=1 loop reproduces HF greedy exactly
-    by = {r["method"]: r for r in rep["methods"]}
-    assert by[HF]["ratio_to_hf"] == 1.0
-    for r in rep["methods"]:
-        assert len(r["runs"]) == 2 and r["tokens_per_second"] > 0
-        assert r["ratio_to_hf"] == pytest.approx(r["tokens_per_second"] / by[HF]["tokens_per_second"])
-    assert by["static:2"]["effective_k"] == 2.0 and by["standard"]["effective_k"] == 1.0
-    assert by["confadapt:0:4"]["effective_k"] > 1.0  # tau = 0 keeps every proposal
-    # tied embeddings are counted once
-    n = sum(p.numel() for p in tiny_lm.model.parameters())  # parameters() yields a tied tensor once
-    assert weight_bytes(tiny_lm.model) == 4 * n
-    assert rep["memory_bandwidth"] is None  # CPU: no bandwidth line
-    assert "x HF" in format_table(rep)
-
-
-def test_bench_cli_bad_input(capsys):
-    from model.bench import main as bench_main
-
-    assert bench_main(["--repeats", "0"]) == 2
-    assert bench_main(["--strategies", "fast"]) == 2
-    assert bench_main(["--max-new-tokens", "-1"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and all(line.startswith("error: ") for line in err)
+# The benchmark's tests live in tests/test_bench.py.

@@ -1,0 +1,143 @@
+"""model.bench: tokens/s against HF generate on the plain base, the width curve, bandwidth, the CLI.
+
+No timing assertions: speed is what the benchmark reports, not what the tests check."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from model.bench import (
+    DEFAULT_DATA,
+    DEFAULT_STRATEGIES,
+    HF,
+    bench,
+    format_table,
+    main,
+    pass_bytes,
+    plain_base,
+    read_bandwidth,
+    weight_bytes,
+)
+from model.checkpoint import wrap_model
+from model.evaluate import load_problems
+from model.strategies import parse_strategies
+from tests.conftest import make_tiny
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _alora_tiny(base_tokenizer):
+    tok = copy.deepcopy(base_tokenizer)
+    lm = wrap_model(make_tiny(tok), tok, source="tiny-alora")
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+                     alora_invocation_tokens=[lm.mask_token_id])
+    lm.model, lm.adapter = get_peft_model(lm.model, cfg).eval(), "alora"
+    return lm
+
+
+def test_bench_on_tiny_model(tiny_lm):
+    rep = bench(tiny_lm, ["What is 2 + 3?", "Name a colour."], "standard,static:2,confadapt:0.0:4,verify:4",
+                repeats=2, max_new_tokens=6, widths=(1, 2, 4), width_repeats=2, measure_bandwidth=False)
+    methods = [r["method"] for r in rep["methods"]]
+    assert methods == [HF, "standard", "static:2", "confadapt:0:4", "verify:4"]
+    assert rep["standard_matches_hf"] is True  # our k=1 loop reproduces HF greedy exactly
+    assert rep["verify_matches_standard"] == {"verify:4": True}  # lossless
+    by = {r["method"]: r for r in rep["methods"]}
+    assert by[HF]["ratio_to_hf"] == 1.0 and by[HF]["label"] == "HF generate, plain base"
+    for r in rep["methods"]:
+        assert len(r["runs"]) == 2 and r["tokens_per_second"] > 0
+        assert r["ratio_to_hf"] == pytest.approx(r["tokens_per_second"] / by[HF]["tokens_per_second"])
+    assert by["static:2"]["effective_k"] == 2.0 and by["standard"]["effective_k"] == 1.0
+    assert by["confadapt:0:4"]["effective_k"] > 1.0  # tau = 0 keeps every proposal
+    c = rep["config"]
+    assert c["dtype"] == "float32" and c["forward_path"].startswith("fast path") and c["torch_threads"] == 1
+    w = rep["width"]
+    assert w["widths"] == [1, 2, 4] and [r["name"] for r in w["rows"]] == ["hf_plain", "ours_base"]
+    assert all(len(r["ms"]) == 3 and min(r["ms"]) > 0 for r in w["rows"])
+    assert w["rows"][1]["ratio"][0] == 1.0  # the reference: our 1-token base pass
+    assert rep["bandwidth"] is None
+    table = format_table(rep)
+    assert "x HF" in table and "ms per forward pass" in table and "verify:4 output == standard" in table
+
+
+def test_weight_and_pass_bytes(base_tokenizer):
+    tok = copy.deepcopy(base_tokenizer)
+    untied = make_tiny(tok)
+    n = sum(p.numel() for p in untied.parameters())
+    assert weight_bytes(untied) == 4 * n
+    emb = untied.get_input_embeddings().weight
+    assert pass_bytes(untied) == 4 * n - 4 * emb.numel()  # a pass reads rows of an untied input embedding
+    tied = make_tiny(tok, tied=True)
+    assert pass_bytes(tied) == weight_bytes(tied) == 4 * sum(p.numel() for p in tied.parameters())  # counted once
+
+
+def test_bench_with_an_adapter_uses_the_plain_base_for_hf(base_tokenizer):
+    lm = _alora_tiny(base_tokenizer)
+    plain = plain_base(lm)
+    assert not isinstance(plain.model, PeftModel) and plain.adapter is None
+    assert isinstance(lm.model, PeftModel) and lm.adapter == "alora"  # the loaded model is untouched
+    assert weight_bytes(plain.model) < weight_bytes(lm.model)  # no LoRA weights in the baseline
+    rep = bench(lm, ["What is 2 + 3?"], "standard,confadapt:0.5:4", repeats=1, max_new_tokens=5, widths=(1, 4),
+                width_repeats=1, measure_bandwidth=False, plain=plain)
+    assert rep["standard_matches_hf"] is True  # aLoRA: standard decoding is the base model
+    names = [r["name"] for r in rep["width"]["rows"]]
+    assert names == ["hf_plain", "ours_base", "ours_adapter"]
+    assert rep["config"]["adapter"] == "alora" and "aLoRA" in rep["config"]["forward_path"]
+
+
+def test_read_bandwidth_on_cpu():
+    bw, how = read_bandwidth(torch.device("cpu"), nbytes=32 << 20, repeats=2)
+    assert bw > 1e8 and "sum" in how
+
+
+def test_bench_reports_bandwidth(tiny_lm):
+    import model.bench as mb
+
+    orig = mb.read_bandwidth
+    mb.read_bandwidth = lambda device: orig(device, nbytes=32 << 20, repeats=2)
+    try:
+        rep = bench(tiny_lm, ["Hi"], "standard", repeats=1, max_new_tokens=3, widths=(1,), width_repeats=1)
+    finally:
+        mb.read_bandwidth = orig
+    b = rep["bandwidth"]
+    assert b["measured_bytes_per_second"] > 0 and b["pass_bytes"] == pass_bytes(tiny_lm.model)
+    for name in ("ours_base", "hf_plain"):
+        assert b[name]["bytes_per_second"] == pytest.approx(b["pass_bytes"] / (b[name]["ms_per_pass"] / 1e3))
+    assert "bandwidth achieved, ours" in format_table(rep)
+
+
+def test_default_prompts_are_in_the_repository():
+    problems = load_problems(DEFAULT_DATA, 3)
+    assert len(problems) == 3 and all(p["question"] for p in problems)
+    assert "verify" in DEFAULT_STRATEGIES and len(parse_strategies(DEFAULT_STRATEGIES)) >= 3
+
+
+@pytest.mark.parametrize("args", [["--repeats", "0"], ["--strategies", "fast"], ["--max-new-tokens", "-1"],
+                                  ["--widths", "1,x"], ["--widths", "0"], ["--prompts", "0"],
+                                  ["--data", "/no/such/file.jsonl"]])
+def test_bench_cli_bad_input(args, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
+
+
+@pytest.mark.integration
+def test_bench_cli_on_smollm2(tmp_path, capsys):
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"question": "What is 3 + 4?", "answer": "3 + 4 = 7\n#### 7"}) + "\n")
+    out = tmp_path / "bench.json"
+    assert main(["--data", str(data), "--prompts", "1", "--repeats", "1", "--max-new-tokens", "4", "--widths", "1,2",
+                 "--width-repeats", "1", "--no-bandwidth", "--strategies", "standard,verify:2", "--threads", "1",
+                 "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["config"]["prompts"] == 1 and rep["config"]["adapter"] == "alora"
+    assert [r["method"] for r in rep["methods"]] == [HF, "standard", "verify:2"]
+    assert rep["standard_matches_hf"] is True and rep["verify_matches_standard"] == {"verify:2": True}
+    assert rep["config"]["dtype"] in ("bfloat16", "float32")
+    text = capsys.readouterr().out
+    assert "HF generate, plain base" in text and "ours + adapter" in text
