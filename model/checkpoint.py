@@ -547,7 +547,8 @@ def load_checkpoint(
             False loads the plain base, a path loads that adapter directory instead.
 
     Returns:
-        A :class:`LoadedModel` in eval mode.
+        A :class:`LoadedModel` in eval mode, its fast forward path built when it supports the model
+        (:attr:`LoadedModel.forward_path`).
 
     Raises:
         CheckpointError: unknown source, missing path or package, bad dtype, quantization
@@ -602,8 +603,10 @@ def load_checkpoint(
             "or a Hugging Face Hub id such as owner/name."
         )
 
-    return _finish(model, tokenizer, source=source, mask_token=mask_token, device=dev,
-                   prompt_format=prompt_format, mtp_dir=mtp_dir)
+    lm = _finish(model, tokenizer, source=source, mask_token=mask_token, device=dev,
+                 prompt_format=prompt_format, mtp_dir=mtp_dir)
+    lm.fast_engine()  # build the fast path's structures now (~1 s), not in the first generation
+    return lm
 
 
 def wrap_model(

@@ -523,12 +523,18 @@ class FastForward:
             if lora and "qkv" in lora:
                 lora["qkv"].add_to(qkv[:1] if len(qkv) == 4 else qkv, h, rows)
             q, k, v = qkv[-3:]
-            q, k, v = q.view(t, nh, hd), k.view(t, nkv, hd), v.view(t, nkv, hd)
-            if layer.q_norm is not None:
-                q = _rms_norm(q, layer.q_norm, eps)
-                k = _rms_norm(k, layer.k_norm, eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            v = v.view(t, nkv, hd)
+            if len(qkv) == 4 and layer.q_norm is None:  # q|k adjacent in one output: one rotation for both
+                qk = qkv[0][:, : qs + nkv * hd].view(t, nh + nkv, hd)
+                qk = qk * cos + _rotate_half(qk) * sin  # elementwise: the same bits as q and k apart
+                q, k = qk[:, :nh], qk[:, nh:]
+            else:
+                q, k = q.view(t, nh, hd), k.view(t, nkv, hd)
+                if layer.q_norm is not None:
+                    q = _rms_norm(q, layer.q_norm, eps)
+                    k = _rms_norm(k, layer.k_norm, eps)
+                q = q * cos + _rotate_half(q) * sin
+                k = k * cos + _rotate_half(k) * sin
             kc, vc = cache.k[i], cache.v[i]
             kc[0, :, pos:end].copy_(k.transpose(0, 1))
             vc[0, :, pos:end].copy_(v.transpose(0, 1))

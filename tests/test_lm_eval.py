@@ -110,7 +110,9 @@ def test_cli_lm_eval_mtp_on_local_task_default_model(tmp_path, smollm2):
     stats = tmp_path / "stats.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "model.lm_eval_mtp", "--model", "mtp",
-           "--model_args", f"pretrained=smollm2-135m,threshold=0.9,k_max=16,max_gen_toks=24,stats_file={stats}",
+           # dtype float32 explicitly: the check below decodes with the float32 smollm2 fixture
+           "--model_args", f"pretrained=smollm2-135m,threshold=0.9,k_max=16,max_gen_toks=24,dtype=float32,"
+                           f"stats_file={stats}",
            "--tasks", "gsm8k_mini", "--include_path", str(TASK_DIR), "--limit", "3",
            "--output_path", str(tmp_path / "out"), "--log_samples"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)

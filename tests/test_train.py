@@ -177,9 +177,9 @@ def test_kill_and_resume_equals_uninterrupted(tiny_dir, tmp_path):
     assert [r["step"] for r in lb] == [1, 2, 3, 4]
     assert [(r["loss"], r["k"], r["offset"]) for r in la] == [(r["loss"], r["k"], r["offset"]) for r in lb]
     # The full-model export is a model directory the engine loads (tokenizer with the mask token).
-    lm = load_checkpoint(str(a / "final"), device="cpu")
+    lm = load_checkpoint(str(a / "final"), device="cpu", dtype="float32")  # "auto" is bf16 on native-bf16 CPUs
     assert lm.mtp_trained and lm.adapter is None
-    assert lm.model.model.embed_tokens.weight.dtype == torch.float32  # loaded in float32 on CPU
+    assert lm.model.model.embed_tokens.weight.dtype == torch.float32
     dec = Decoder(lm, lm.prompt_ids("What is 1 plus 2?"), confadapt(0.5, 4), max_new_tokens=6)
     assert 1 <= len(list(dec)) <= 6
 
@@ -199,7 +199,7 @@ def test_lora_export_reloads_exactly(tiny_dir, tmp_path):
     out = export_model(cfg, lm, setup.student, tmp_path / "final")
     meta = json.loads((out / "mtp_adapter.json").read_text())
     assert meta["adapter"] == "lora" and meta["base"] == str((tiny_dir / "model").resolve())
-    back = load_checkpoint(str(out), device="cpu")
+    back = load_checkpoint(str(out), device="cpu", dtype="float32")  # exactness check: float32 explicitly
     ids = torch.tensor([lm.prompt_ids("Hello there") + [lm.mask_token_id] * 3])
     with torch.no_grad():
         want = setup.student(input_ids=ids).logits
