@@ -2,31 +2,33 @@
 
 :meth:`model.checkpoint.LoadedModel.forward` runs decoding passes through this module whenever it
 supports the model (:func:`build_engine` says why not otherwise, and the library path — transformers,
-with peft for adapters — runs instead). It computes what transformers computes, op for op where that
-costs nothing, and differs in how:
+with peft for adapters — runs instead). It computes what transformers computes, op for op and with
+the same bits on the base weights (checked in bf16, float32 and float64), and differs in how:
 
-* **weights**: q|k|v and gate|up are stacked into one matrix each (one matmul instead of three / two),
-  and on a CPU with oneDNN every projection weight and the output embedding are **prepacked** once
-  into oneDNN's blocked layout for bfloat16 (``torch.ops.mkldnn._reorder_linear_weight``). A plain
-  ``F.linear`` in bfloat16 reorders the weight on every call; prepacked, a 1-token pass reads each
-  weight once. Results are bit-identical to ``F.linear`` (same kernel). Float32/float64 (and CUDA)
-  use plain stacked weights and ``F.linear``.
+* **weights**: on a CPU with oneDNN in bfloat16, q|k|v and gate|up are stacked into one matrix each
+  and every projection and the output embedding are **prepacked** once into oneDNN's blocked layout
+  (``torch.ops.mkldnn._reorder_linear_weight``). A plain ``F.linear`` in bfloat16 reorders the weight
+  on every call; prepacked, a pass reads each weight once, through the same kernel (same bits). In
+  float32 / float64 on a CPU the projections stay separate, unpacked (MKL rounds a stacked matrix
+  differently, and packing gained nothing); on CUDA they are stacked (fewer kernel launches).
 * **KV cache**: :class:`KVCache` preallocates each layer's keys and values and grows by doubling;
   a pass writes its entries in place and ``crop`` only moves the length back (transformers'
   ``DynamicCache`` concatenates, i.e. copies the whole cache, in every layer of every pass).
-* **adapters**: LoRA / activated LoRA (peft's files and modules are the source) become, per layer
-  and per stacked projection, one stacked ``A`` (``[sum r, in]``) and one block-diagonal ``B``
-  (``[out, sum r]``, scaling folded in). A pass applies them only to the rows that need them: the
-  trailing mask rows for aLoRA (``rows = num_masks``), every row for LoRA, none for a standard pass
-  of an aLoRA model or with the adapter off. A pass without adapter rows costs exactly a plain-base
-  pass: nothing is switched on or off per module.
-* **attention**: ``torch.nn.functional.scaled_dot_product_attention`` with transformers' choices
-  (GQA without repeating keys for one query, a boolean causal mask over the cache for several).
+* **adapters**: LoRA / activated LoRA (peft's files and modules are the source) become, per layer and
+  per stacked projection, one stacked ``A`` and a chunked or block-diagonal ``B`` (scaling folded in,
+  float32 for a bf16 model as peft keeps them; :class:`_Lora`). A pass applies them only to the rows
+  that need them: the trailing mask rows for aLoRA (``rows = num_masks``), every row for LoRA, none
+  for a standard pass of an aLoRA model or with the adapter off. A pass without adapter rows costs
+  exactly a plain-base pass: nothing is switched on or off per module. peft's trainable-token rows
+  (the mask token's) are used in adapter passes when they differ from the base rows, as peft does.
+* **attention**: ``torch.nn.functional.scaled_dot_product_attention`` with transformers' kernels and
+  bits (``enable_gqa`` instead of repeated keys where that gives the same bits).
 
 Supported: ``LlamaForCausalLM``, ``MistralForCausalLM`` (no sliding window), ``Qwen2ForCausalLM``,
 ``Qwen3ForCausalLM`` — SiLU MLP, RMSNorm, rotary embeddings, optional q/k/v biases, Qwen3's q/k
-norms — unquantised, on one device, with at most one active LoRA adapter without DoRA / LoRA bias
-and not merged. Anything else: :class:`Unsupported` with the reason.
+norms — unquantised, on one device, in eval mode, with at most one active LoRA adapter without
+DoRA / LoRA bias and not merged. Anything else: :class:`Unsupported` with the reason. The pass
+runs without autograd.
 """
 
 from __future__ import annotations
@@ -198,12 +200,13 @@ class _Lora:
       adapter on some member, uses a block-diagonal ``B^T`` (``[sum r, out]``) instead.
     """
 
-    __slots__ = ("a", "b", "chunks", "lin_a", "lin_b")
+    __slots__ = ("a", "b", "chunks", "lin_a", "lin_b", "a_members")
 
     def __init__(self, members: Sequence[tuple[torch.Tensor, torch.Tensor, int]], sizes: Sequence[int],
                  dtype: torch.dtype, pack: bool = False):
         """``members``: ``(A [r, in], B [out, r] * scaling, output offset)`` of the projections that have
         an adapter; ``sizes``: the output width of every projection of the group."""
+        self.a_members = len(members)
         ranks = {a.shape[0] for a, _, _ in members}
         width = math.gcd(*sizes)
         self.chunks = 0
@@ -382,8 +385,7 @@ class FastForward:
         if len(devices) != 1 or next(iter(devices)).type == "meta":
             raise Unsupported("weights spread over several devices or offloaded")
         self.device = next(iter(devices))
-        self.dtype = hf.get_input_embeddings().weight.dtype if not hasattr(hf.get_input_embeddings(), "token_adapter") \
-            else _plain(hf.get_input_embeddings()).weight.dtype
+        self.dtype = _plain(hf.get_input_embeddings()).weight.dtype
         if not self.dtype.is_floating_point:
             raise Unsupported(f"dtype {self.dtype}")
 
@@ -399,6 +401,9 @@ class FastForward:
                                                                 else pcfg.peft_type) != "LORA":
                 raise Unsupported(f"peft type {pcfg.peft_type} (fast path: LoRA)")
             self.adapter_kind = "alora" if getattr(pcfg, "alora_invocation_tokens", None) else "lora"
+            for name, mod in peft_model.named_modules():
+                if type(mod).__name__ == "ModulesToSaveWrapper":
+                    raise Unsupported(f"peft modules_to_save ({name})")
 
         pack = self.device.type == "cpu" and self.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
         # Stacked q|k|v and gate|up give bit-identical results with oneDNN's prepacked bf16 kernels (tested);
@@ -456,6 +461,11 @@ class FastForward:
         if self.embed_override is not None:
             idx, rows = self.embed_override
             self.adapter_embed = self.embed.index_copy(0, idx, rows)
+        if peft_model is not None:  # every LoRA layer of the model must be one this pass applies
+            lora_layers = sum(1 for m in peft_model.modules() if hasattr(m, "lora_A") and adapter in m.lora_A)
+            used = sum(g.a_members for layer in self.layers for g in layer.lora.values())
+            if lora_layers != used:
+                raise Unsupported(f"LoRA on {lora_layers - used} module(s) outside the attention and MLP projections")
         self.packed = pack and self.lm_head.packed
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim

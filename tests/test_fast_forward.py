@@ -313,3 +313,32 @@ def test_smollm2_bf16_standard_with_adapter_equals_hf_generate(shipped):
     prompt = "Janet has 3 apples and buys 5 more. How many apples does she have? Think step by step."
     assert generate(lm, prompt, standard(), 64).token_ids == hf_generate(plain, lm.prompt_ids(prompt), 64)
     assert lm.fast_engine() is not None and lm.fast_engine().source is lm.model  # plain did not take it over
+
+
+def test_lora_outside_the_projections_falls_back(base_tokenizer):
+    """A LoRA on the output embedding (or peft modules_to_save) is not applied by the fast path: it says
+    so and the library path runs, so the adapter is never silently dropped."""
+    tok = copy.deepcopy(base_tokenizer)
+    lm = wrap_model(make_tiny(tok, dtype=torch.float64), tok, source="tiny")
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"], init_lora_weights=False)
+    lm.model, lm.adapter = get_peft_model(lm.model, cfg).eval(), "lora"
+    assert lm.fast_engine() is None and "outside the attention and MLP" in lm.forward_path
+    tok2 = copy.deepcopy(base_tokenizer)
+    lm2 = wrap_model(make_tiny(tok2, dtype=torch.float64), tok2, source="tiny")
+    cfg2 = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    lm2.model, lm2.adapter = get_peft_model(lm2.model, cfg2).eval(), "lora"
+    assert lm2.fast_engine() is None and "modules_to_save" in lm2.forward_path
+    assert isinstance(lm2.new_cache(), DynamicCache)
+
+
+def test_partial_lora_targets_match_peft(base_tokenizer):
+    """LoRA on some projections only (q, v, down): block-diagonal B with gaps; equal to peft (1e-10)."""
+    tok = copy.deepcopy(base_tokenizer)
+    lm = wrap_model(make_tiny(tok, arch="qwen", dtype=torch.float64), tok, source="tiny")
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False,
+                     alora_invocation_tokens=[lm.mask_token_id])
+    lm.model, lm.adapter = get_peft_model(lm.model, cfg).eval(), "alora"
+    assert lm.fast_engine() is not None
+    passes, _, _ = _both(lm, _schedule(lm))
+    for a, b, m in passes:
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
