@@ -192,12 +192,12 @@ def passes_figure(records: Sequence[PassRecord], strategy: Strategy | None) -> d
     step_args = {"frame": {"duration": 0, "redraw": True}, "mode": "immediate", "transition": {"duration": 0}}
     fig.update_layout(
         title={"text": _frame_title(records[last], n), "x": 0.0, "xanchor": "left", "font": {"size": 14}},
-        height=640,
+        height=600,
         showlegend=False,
         autosize=True,
         margin=dict(l=45, r=10, t=70, b=175),
         updatemenus=[{
-            "type": "buttons", "direction": "left", "x": 0.0, "y": -0.30, "xanchor": "left", "yanchor": "top",
+            "type": "buttons", "direction": "left", "x": 0.0, "y": -0.24, "xanchor": "left", "yanchor": "top",
             "pad": {"t": 0, "r": 0}, "showactive": False,
             "buttons": [
                 {"label": "▶ Play", "method": "animate",
@@ -207,7 +207,7 @@ def passes_figure(records: Sequence[PassRecord], strategy: Strategy | None) -> d
             ],
         }],
         sliders=[{
-            "active": last, "x": 0.0, "len": 1.0, "y": -0.38, "yanchor": "top", "pad": {"t": 30, "b": 0},
+            "active": last, "x": 0.0, "len": 1.0, "y": -0.33, "yanchor": "top", "pad": {"t": 30, "b": 0},
             "currentvalue": {"prefix": "pass ", "visible": True, "xanchor": "right", "font": {"color": "#333"}},
             # beyond ~20 passes the step labels overlap: hide them, the current value still shows
             "font": {"color": "#333" if n <= 20 else "rgba(0,0,0,0)"},
@@ -220,7 +220,7 @@ def passes_figure(records: Sequence[PassRecord], strategy: Strategy | None) -> d
     return out
 
 
-def animated_html(fig: go.Figure | dict, *, height: int = 660, plotly_js_url: str = PLOTLY_JS_URL) -> str:
+def animated_html(fig: go.Figure | dict, *, height: int = 620, plotly_js_url: str = PLOTLY_JS_URL) -> str:
     """An ``<iframe srcdoc=...>`` holding ``fig`` as a self-contained Plotly page (frames kept).
 
     The page loads plotly.js from ``plotly_js_url`` (served once by the app, cached by the

@@ -77,8 +77,8 @@ def pane_html(history: Sequence[dict], message: str | None, answer: str | None, 
         content = m.get("mtp", m["content"]) if side == "mtp" and m["role"] == "assistant" else m["content"]
         rows.append(_bubble(m["role"], content))
         if side == "mtp" and m["role"] == "assistant" and "mtp" in m and m["mtp"] != m["content"]:
-            rows.append('<div class="mtp-note">Later turns continued from the standard answer (left), '
-                        "so both panes answer the same conversation.</div>")
+            rows.append('<div class="mtp-note">The conversation continues from the standard answer (left), '
+                        "so both panes answer the same prompts.</div>")
     if message is not None:
         rows.append(_bubble("user", message))
         rows.append(_bubble("assistant", answer or "", cursor=running))
@@ -198,15 +198,21 @@ def speed_html(state: TurnState | None) -> str:
 
 
 # ---------------------------------------------------------------------------- the paper's Figure 1
-#: Background colours for block widths 1, 2, 3, ... (the last repeats); all light enough for dark
-#: text at a contrast of at least 7:1.
-WIDTH_COLOURS = ("#ececec", "#cfe3f7", "#c9efc4", "#fff2a8", "#ffd9a8", "#ffc2c2", "#e8c9f5", "#c2f0ec")
+#: Background colours for blocks of 2, 3, 4, ... tokens (the last repeats); all light enough for
+#: dark text at a contrast of at least 7:1. A pass of one token (what standard decoding does) stays
+#: plain text, so the answer reads as text and the multi-token blocks stand out.
+WIDTH_COLOURS = ("#cfe3f7", "#c9efc4", "#fff2a8", "#ffd9a8", "#ffc2c2", "#e8c9f5", "#c2f0ec")
 TEXT_ON_COLOUR = "#111111"
 
 
-def width_colour(width: int) -> str:
-    """Background colour of a block of ``width`` tokens."""
-    return WIDTH_COLOURS[min(max(width, 1), len(WIDTH_COLOURS)) - 1]
+def width_colour(width: int) -> str | None:
+    """Background colour of a block of ``width`` tokens (None for one token: plain text)."""
+    return None if width <= 1 else WIDTH_COLOURS[min(width - 1, len(WIDTH_COLOURS)) - 1]
+
+
+def _width_style(width: int) -> str:
+    colour = width_colour(width)
+    return f' style="background:{colour};color:{TEXT_ON_COLOUR}"' if colour else ""
 
 
 def _pass_title(rec: PassRecord, strategy: Strategy | None) -> str:
@@ -230,7 +236,7 @@ def figure1_html(records: Sequence[PassRecord], strategy: Strategy | None = None
     Colour = block width (tokens the pass added); hovering a span gives the pass number, its width,
     the confidences (or, when verifying, the drafts accepted) and why the block ended. Newlines
     are shown as ``↵`` marks (CSS, not text) so that a pass that emitted only a newline stays
-    visible. A legend lists the widths that occur.
+    visible. Passes of one token stay plain text; a legend lists the widths that occur.
     """
     spans, widths = [], set()
     for r in records:
@@ -239,36 +245,40 @@ def figure1_html(records: Sequence[PassRecord], strategy: Strategy | None = None
         w = len(r.kept)
         widths.add(w)
         body = esc(r.text).replace("\n", '<span class="mtp-nl" aria-hidden="true"></span>\n')
-        spans.append(f'<span class="mtp-blk" data-pass="{r.index + 1}" data-width="{w}" '
-                     f'style="background:{width_colour(w)};color:{TEXT_ON_COLOUR}" '
-                     f'title="{esc(_pass_title(r, strategy))}">{body}</span>')
+        spans.append(f'<span class="mtp-blk{" mtp-multi" if w > 1 else ""}" data-pass="{r.index + 1}" '
+                     f'data-width="{w}"{_width_style(w)} title="{esc(_pass_title(r, strategy))}">{body}</span>')
     if not spans:
         return ('<div class="mtp-fig1-wrap"><div class="mtp-fig1-empty">The MTP answer, coloured by forward '
                 "pass, appears here.</div></div>")
-    legend = "".join(f'<span class="mtp-legend-item" style="background:{width_colour(w)};color:{TEXT_ON_COLOUR}">'
-                     f'{w}</span>' for w in sorted(widths))
+    legend = "".join(f'<span class="mtp-legend-item"{_width_style(w)}>{w}</span>' for w in sorted(widths))
     return ('<div class="mtp-fig1-wrap"><div class="mtp-legend"><span>tokens per forward pass:</span> '
             f'{legend}<span class="mtp-legend-hint">(hover a span for its pass)</span></div>'
             f'<div class="mtp-fig1" dir="auto">{"".join(spans)}</div></div>')
 
 
 # ---------------------------------------------------------------------------- the per-pass table
+#: Short forms of ``PassRecord.block_end`` for the table (the full reason is the cell's tooltip).
+BLOCK_END_SHORT = {"k_max": "k_max", "below tau": "< tau", "utf-8": "utf-8", "draft rejected": "rejected",
+                   "stop token": "stop", "max_new_tokens": "max new"}
+
+
 def pass_table_html(state: TurnState | None) -> str:
-    """Every forward pass of both sides: fed (real + drafts + masks), kept, why the block ended, ms,
-    text. Scrolls sideways on narrow screens; numbers never wrap."""
+    """Every forward pass of both sides: tokens fed (real + masks, or real + drafts + masks), kept,
+    why the block ended, ms, text. Narrow enough for a phone; numbers never wrap."""
     if state is None or not (state.standard.passes or state.mtp.passes):
         return '<div class="mtp-table-empty">No passes yet.</div>'
     rows = []
     for side, res in (("std", state.standard), ("MTP", state.mtp)):
         for r in res.passes:
             fed = f"{r.fed_real}+{r.fed_drafts}+{r.fed_masks}" if r.fed_drafts else f"{r.fed_real}+{r.fed_masks}"
+            end = BLOCK_END_SHORT.get(r.block_end, r.block_end)
             rows.append(f"<tr><td>{side}</td><td>{r.index + 1}</td><td>{fed}</td><td>{len(r.kept)}</td>"
-                        f"<td>{esc(r.block_end)}</td><td>{1000 * r.seconds:.1f}</td>"
+                        f'<td title="{esc(r.block_end)}">{esc(end)}</td><td>{1000 * r.seconds:.0f}</td>'
                         f'<td class="mtp-td-text" dir="auto">{esc(r.text)}</td></tr>')
     head = ('<tr><th title="std = standard decoding, MTP = the right pane">side</th><th>pass</th>'
             '<th title="tokens fed: real + masks (real + drafts + masks when verifying)">fed</th>'
             '<th title="tokens this pass added to the answer">kept</th>'
-            '<th title="why the block ended">ended</th><th title="milliseconds of this forward pass">ms</th>'
+            '<th title="why the block ended">end</th><th title="milliseconds of this forward pass">ms</th>'
             "<th>text</th></tr>")
     return (f'<div class="mtp-table-wrap"><table class="mtp-table"><thead>{head}</thead>'
             f'<tbody>{"".join(rows)}</tbody></table></div>')

@@ -100,8 +100,8 @@ CSS = """
 .mtp-speed {padding: 6px 10px; border-left: 4px solid #d62728; background: var(--background-fill-secondary)}
 .mtp-fig1-wrap {border: 1px solid var(--border-color-primary); border-radius: 8px; padding: 8px 10px}
 .mtp-fig1 {white-space: pre-wrap; overflow-wrap: break-word; line-height: 1.9; unicode-bidi: plaintext}
-.mtp-blk {border-radius: 2px; box-shadow: inset -1px 0 rgba(0,0,0,.28); -webkit-box-decoration-break: clone;
-  box-decoration-break: clone}
+.mtp-blk {border-radius: 2px}
+.mtp-multi {box-shadow: inset -1px 0 rgba(0,0,0,.3); -webkit-box-decoration-break: clone; box-decoration-break: clone}
 .mtp-blk:hover {outline: 2px solid #333}
 .mtp-nl::before {content: "↵"; opacity: .5}
 .mtp-legend {font-size: .85em; margin-bottom: 6px; display: flex; flex-wrap: wrap; gap: 4px; align-items: center}
@@ -119,12 +119,21 @@ CSS = """
 #notice:not(:has(.mtp-notice)), #status:not(:has(.mtp-status)) {display: none}
 #examples button {white-space: nowrap; overflow: hidden; text-overflow: ellipsis; max-width: 100%}
 @media (max-width: 640px) {
+  .mtp-table {font-size: .74em}
+  .mtp-table th, .mtp-table td {padding: 2px 3px}
+  .mtp-table td.mtp-td-text {min-width: 5em}
   .mtp-wide {display: none}
   .mtp-scroll {height: 230px}
   .mtp-header h1 {font-size: 1.25em}
   .mtp-header p {font-size: .9em}
 }
 """
+
+#: Page-level CSS that Gradio would scope under its content container (it only reaches ancestors from
+#: the document's head): narrower page margins on phones.
+HEAD = """<style>
+@media (max-width: 640px) { .gradio-container .main.app {padding-left: 8px !important; padding-right: 8px !important} }
+</style>"""
 
 try:  # Hugging Face Spaces (ZeroGPU): run generation inside a GPU slot when the package exists.
     import spaces  # type: ignore[import-not-found]
@@ -432,6 +441,7 @@ def launch(demo: gr.Blocks, **kwargs: Any) -> Any:
     """Launch ``demo`` with the page's CSS (Gradio 6 takes css at launch). Extra kwargs go to
     ``gr.Blocks.launch`` (server_name, server_port, prevent_thread_lock, ...)."""
     kwargs.setdefault("css", CSS)
+    kwargs.setdefault("head", HEAD)
     kwargs.setdefault("footer_links", ["api", "gradio"])
     return demo.queue(default_concurrency_limit=CONCURRENCY).launch(**kwargs)
 

@@ -159,7 +159,7 @@ def test_second_turn_answers_the_same_conversation_on_both_sides(registry, lm):
     # the MTP pane shows its own earlier answer and says the context was the standard one
     pane = render.pane_html(history_after(second), None, None, side="mtp", title="MTP")
     assert htmllib.escape(first.mtp.text, quote=True) in pane
-    assert ("continued from the standard answer" in pane) == (first.mtp.text != first.standard.text)
+    assert ("continues from the standard answer" in pane) == (first.mtp.text != first.standard.text)
 
 
 def test_stop_and_clear_end_a_turn_with_a_stated_phase(registry):
@@ -300,8 +300,8 @@ def test_text_is_shown_literally():
 def test_figure1_is_running_text_with_one_span_per_pass(registry, lm):
     last = finish(prepare_turn(registry, PROMPT, [], "ConfAdapt", 0.5, 4, 3, 16))[1]
     out = render.figure1_html(last.mtp.passes, last.strategy)
-    spans = re.findall(r'<span class="mtp-blk" data-pass="(\d+)" data-width="(\d+)" style="[^"]*" '
-                       r'title="([^"]*)">(.*?)</span>(?=<span class="mtp-blk"|</div>)', out, re.S)
+    spans = re.findall(r'<span class="mtp-blk[^"]*" data-pass="(\d+)" data-width="(\d+)"(?: style="[^"]*")? '
+                       r'title="([^"]*)">(.*?)</span>(?=<span class="mtp-blk|</div>)', out, re.S)
     with_text = [r for r in last.mtp.passes if r.text]
     assert [int(p) for p, _, _, _ in spans] == [r.index + 1 for r in with_text]
     assert [int(w) for _, w, _, _ in spans] == [len(r.kept) for r in with_text]
@@ -309,6 +309,7 @@ def test_figure1_is_running_text_with_one_span_per_pass(registry, lm):
     assert shown == last.mtp.text
     assert all(t.startswith(f"forward pass {p}: ") and "confidences" in t for p, _, t, _ in spans)
     assert 'dir="auto"' in out and "tokens per forward pass" in out
+    assert out.count("mtp-multi") == sum(1 for r in with_text if len(r.kept) > 1)  # one-token passes: plain text
 
 
 def _luminance(hex_colour: str) -> float:
