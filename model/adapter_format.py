@@ -155,5 +155,5 @@ def save_mtp_checkpoint(
             ids = torch.tensor([mask_token_id], device=next(model.parameters()).device)
             row = model.get_input_embeddings()(ids).detach().float().cpu().contiguous()
         save_file({"embed": row}, str(out / MASK_ROWS_FILE))
-    (out / META_FILE).write_text(json.dumps(asdict(meta), indent=1))
+    (out / META_FILE).write_text(json.dumps(asdict(meta), indent=1, allow_nan=False))
     return out

@@ -32,6 +32,7 @@ import torch
 
 from .adapter_format import MTPMeta, is_mtp_dir, load_mask_rows, read_meta
 from .errors import CheckpointError
+from .text import chat_prompt_ids, encode_literal
 
 log = logging.getLogger(__name__)
 
@@ -120,23 +121,31 @@ class LoadedModel:
             The prompt as a list of token ids (``prompt_len`` tokens), formatted with the
             model's prompt format and ending where the assistant's answer begins.
 
+        Message contents are text, never markup: a message that spells a special token (the mask
+        token, ``<|im_end|>``, ...) is tokenised as those characters (:mod:`model.text`).
+
         Raises:
-            ValueError: empty prompt, or a history whose last turn is not the user's.
+            ValueError: empty prompt, a malformed message, a history whose last turn is not the
+                user's, or a chat template that rewrites message text.
         """
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         messages = list(messages)
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(
+                    m.get("content"), str):
+                raise ValueError("Each message must be {'role': 'system' | 'user' | 'assistant', 'content': text}, "
+                                 f"got {str(m)[:80]!r}.")
         if not messages or messages[-1].get("role") != "user":
             raise ValueError("The prompt must end with a user message.")
         if not str(messages[-1].get("content", "")).strip():
             raise ValueError("The prompt is empty: type a question first.")
         tok = self.tokenizer
         if self.prompt_format == "chat" and getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return tok(text, add_special_tokens=False)["input_ids"]
-        # bos_newlines: bos + question + "\n\n" (turns joined the same way)
-        text = "".join(str(m["content"]) + "\n\n" for m in messages)
-        ids = tok(text, add_special_tokens=False)["input_ids"]
+            return chat_prompt_ids(tok, [{"role": m.get("role"), "content": str(m.get("content", ""))}
+                                         for m in messages])
+        # bos_newlines: bos + question + "\n\n" (turns joined the same way); no markup but the BOS id
+        ids = encode_literal(tok, "".join(str(m["content"]) + "\n\n" for m in messages))
         if tok.bos_token_id is not None:
             ids = [tok.bos_token_id] + ids
         return ids
@@ -202,25 +211,6 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def native_bf16(device: str | torch.device = "cpu") -> bool:
-    """True when ``device`` computes in bfloat16 natively: CUDA with bf16 support, or a CPU with
-    AVX512-BF16 or AMX tiles (there bf16 matmuls run ~2-3x faster than float32; elsewhere bf16 is
-    emulated and slower)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if device.type != "cpu":
-        return False
-    try:
-        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-    except AttributeError:  # an older or newer torch without these probes: read the CPU flags
-        try:
-            flags = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-        return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -457,6 +447,9 @@ def load_checkpoint(
         model, tokenizer = _load_hf(str(path), gguf_file=None, device=dev, dtype=dt, quantization=quantization)
     elif path.is_file() and path.suffix == ".gguf":
         model, tokenizer = _load_hf(str(path.parent), gguf_file=path.name, device=dev, dtype=dt, quantization=quantization)
+    elif path.is_file():
+        raise CheckpointError(f"{source} exists but is not a model: give a Hugging Face model directory "
+                              "(config.json), an MTP adapter directory (mtp_adapter.json) or a .gguf file.")
     elif source.startswith((".", "/", "~")) or source.count("/") > 1 or path.suffix == ".gguf":
         raise CheckpointError(f"No such local model: {source} does not exist.")
     elif _HUB_ID.match(source):
@@ -476,16 +469,20 @@ def load_checkpoint(
 
 def wrap_model(
     model: Any, tokenizer: Any, *, mask_token: str = DEFAULT_MASK_TOKEN, source: str = "in-memory",
-    prompt_format: str | None = None, device: str | torch.device | None = None,
+    prompt_format: str | None = None, device: str | torch.device | None = None, mtp_dir: str | Path | None = None,
 ) -> LoadedModel:
     """Wrap an already-built model + tokenizer as a :class:`LoadedModel` (tests, training).
 
     Adds the mask token when missing (mean init, ``mtp_trained=False``) exactly as
-    :func:`load_checkpoint` does. ``device`` defaults to where the model's weights are.
+    :func:`load_checkpoint` does. ``device`` defaults to where the model's weights are. ``mtp_dir``:
+    an adapter directory written by :mod:`model.train` to put on top of ``model`` (its base).
+
+    Raises:
+        CheckpointError: an unreadable ``mtp_dir``.
     """
     dev = torch.device(device) if device is not None else next(model.parameters()).device
     return _finish(model, tokenizer, source=source, mask_token=mask_token, device=dev,
-                   prompt_format=prompt_format, mtp_dir=None)
+                   prompt_format=prompt_format, mtp_dir=Path(mtp_dir) if mtp_dir is not None else None)
 
 
 def _finish(

@@ -1,6 +1,6 @@
 """GSM8K evaluation: accuracy against effective k for several decoding strategies (paper 4.5).
 
-    python -m model.evaluate --model smollm2-135m --data ../shared/data/gsm8k/test.jsonl --limit 20 \\
+    python -m model.evaluate --model smollm2-135m --data gsm8k_test.jsonl --limit 20 \\
         --strategies standard,static:2,static:3,static:4,confadapt:0.95,confadapt:0.9,confadapt:0.8,confadapt:0.7 \\
         --max-new-tokens 192 --out runs/eval/smollm2.json
 
@@ -40,11 +40,12 @@ from tqdm import tqdm
 
 from .answers import extract_answer, extract_gold, is_correct
 from .checkpoint import DEFAULT_SOURCE, CheckpointError, LoadedModel, load_checkpoint
-from .decoding import GenerationResult, run
+from .decoding import GenerationResult, NonFiniteLogitsError, run
 from .strategies import SPEC_HELP, Strategy, check_max_new_tokens, parse_strategies, parse_strategy, standard
 
 STEP_BY_STEP = "Let's think step by step."
-DEFAULT_STRATEGIES = "standard,static:2,static:3,static:4,confadapt:0.95,confadapt:0.9,confadapt:0.8,confadapt:0.7"
+DEFAULT_STRATEGIES = (
+    "standard,static:2,static:3,static:4,confadapt:0.95,confadapt:0.9,confadapt:0.8,confadapt:0.7,verify")
 CHROMIUM = "/usr/bin/chromium"
 OUT_DEFAULT = "runs/eval/eval.json"
 
@@ -105,28 +106,36 @@ def make_prompt(question: str, step_by_step: bool = False) -> str:
 
 # --------------------------------------------------------------------------- scoring
 @torch.inference_mode()
-def teacher_nll(lm: LoadedModel, prompt_ids: Sequence[int], answer_ids: Sequence[int]) -> tuple[float, int]:
-    """Summed negative log-likelihood (nats) of ``answer_ids`` after ``prompt_ids`` under the teacher.
+def teacher_logprob(lm: LoadedModel, context_ids: Sequence[int], continuation_ids: Sequence[int]
+                    ) -> tuple[float, bool]:
+    """Log-probability (nats) of ``continuation_ids`` after ``context_ids`` under the teacher, and
+    whether every continuation token is the teacher's greedy choice.
 
     The teacher is the base model with any MTP adapter off (:meth:`LoadedModel.base_model`).
-    One forward pass over ``[1, P + A]`` tokens; log-softmax in float32 over the vocabulary
-    without the mask token (as the decoder's confidences), so for standard decoding the NLL of
-    each token is ``-log`` of its confidence.
+    One forward pass over ``[1, C + A]`` tokens; log-softmax in float32 over the vocabulary
+    without the mask token (as the decoder's confidences), so for standard decoding the
+    log-probability of each token is the log of its confidence.
 
     Returns:
-        ``(sum_nll, A)``: the summed NLL and the number of answer tokens (``(0.0, 0)`` if none).
+        ``(sum_logprob, is_greedy)``; ``(0.0, True)`` for an empty continuation.
     """
-    if not answer_ids:
-        return 0.0, 0
-    ids = torch.tensor([list(prompt_ids) + list(answer_ids)], dtype=torch.long, device=lm.device)
-    n = len(answer_ids)
+    n = len(continuation_ids)
+    if not n:
+        return 0.0, True
+    ids = torch.tensor([list(context_ids) + list(continuation_ids)], dtype=torch.long, device=lm.device)
     with lm.base_model() as model:
         logits = model(input_ids=ids, use_cache=False, logits_to_keep=n + 1).logits[0, :-1].float()
     logits[:, lm.mask_token_id] = float("-inf")  # as in decoding: the mask token is never a candidate
     logp = torch.log_softmax(logits, dim=-1)
     target = ids[0, -n:]
-    nll = -logp.gather(1, target[:, None]).sum().item()
-    return float(nll), n
+    total = logp.gather(1, target[:, None]).sum().item()
+    return float(total), bool((logp.argmax(dim=-1) == target).all())
+
+
+def teacher_nll(lm: LoadedModel, prompt_ids: Sequence[int], answer_ids: Sequence[int]) -> tuple[float, int]:
+    """Summed negative log-likelihood (nats) of ``answer_ids`` after ``prompt_ids`` under the teacher
+    (:func:`teacher_logprob`). Returns ``(sum_nll, A)``, ``(0.0, 0)`` for an empty answer."""
+    return -teacher_logprob(lm, prompt_ids, answer_ids)[0] + 0.0, len(answer_ids)
 
 
 def _stderr(p: float, n: int) -> float:
@@ -416,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.rescore) if args.out == OUT_DEFAULT else Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         report["figure"] = write_figure(report, out)
-        out.write_text(json.dumps(report, indent=1, ensure_ascii=False))
+        out.write_text(json.dumps(report, indent=1, ensure_ascii=False, allow_nan=False))
         print(format_table(report))
         return 0
     out = Path(args.out)
@@ -446,16 +455,20 @@ def main(argv: list[str] | None = None) -> int:
         rep["config"].update(data=str(args.data), wall_seconds=time.perf_counter() - t0,
                              torch_threads=torch.get_num_threads())
         tmp = out.with_suffix(".json.partial")
-        tmp.write_text(json.dumps(rep, indent=1, ensure_ascii=False))
+        tmp.write_text(json.dumps(rep, indent=1, ensure_ascii=False, allow_nan=False))
         tmp.replace(out)
 
-    report = evaluate(lm, problems, strategies, max_new_tokens=args.max_new_tokens,
-                      step_by_step=args.step_by_step, progress=not args.no_progress, on_problem=save)
+    try:
+        report = evaluate(lm, problems, strategies, max_new_tokens=args.max_new_tokens,
+                          step_by_step=args.step_by_step, progress=not args.no_progress, on_problem=save)
+    except (ValueError, NonFiniteLogitsError) as e:  # a too-long problem, a broken model: the partial report stays
+        print(f"error: {e} (results so far: {out})", file=sys.stderr)
+        return 2 if isinstance(e, ValueError) else 1
     report["config"].update(data=str(args.data), wall_seconds=time.perf_counter() - t0,
                             torch_threads=torch.get_num_threads())
     fig_paths = write_figure(report, out)
     report["figure"] = fig_paths
-    out.write_text(json.dumps(report, indent=1, ensure_ascii=False))
+    out.write_text(json.dumps(report, indent=1, ensure_ascii=False, allow_nan=False))
     print(format_table(report))
     print(f"wrote {out}, {fig_paths['html']}" + (f", {fig_paths['png']}" if fig_paths["png"] else ""))
     if fig_paths["png_error"]:

@@ -44,13 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 bad input)."""
     args = build_parser().parse_args(argv)
     try:
-        make_strategy(args.strategy, tau=args.tau, k_max=args.k_max or 1, k=args.k)  # fail before loading
+        make_strategy(args.strategy, tau=args.tau, k_max=args.k_max, k=args.k)  # bad arguments fail before loading
         check_max_new_tokens(args.max_new_tokens)
         if not args.prompt.strip():
             raise ValueError("The prompt is empty: pass --prompt with some text.")
         lm = load_checkpoint(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
                              adapter=not args.no_adapter)
-        strategy = make_strategy(args.strategy, tau=args.tau, k_max=args.k_max or lm.default_k_max, k=args.k)
+        k_max = args.k_max if args.k_max is not None else (None if args.strategy == "static" else lm.default_k_max)
+        strategy = make_strategy(args.strategy, tau=args.tau, k_max=k_max, k=args.k)
         dec = Decoder(lm, lm.prompt_ids(args.prompt), strategy, args.max_new_tokens)
     except (ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)

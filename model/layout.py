@@ -1,4 +1,4 @@
-"""Training layouts for MTP self-distillation (paper 3.3; DESIGN.md section 2).
+"""Training layouts for MTP self-distillation (paper 3.3; docs/DESIGN.md).
 
 A batch of ground-truth sequences (prompt + response + EOS) becomes one *blocked layout*: after
 the ground-truth token at each region's **anchor** position ``a`` we insert ``k - 1`` mask
@@ -19,7 +19,7 @@ ordinary next token ``x[a+1]``) and at each mask (block index ``j`` predicts ``x
   ``pred_after_eos`` and get the EOS as their label (the region is padded with EOS).
 
 :func:`build_span_layout` gives the two-phase form of the same regions used by activated
-adapters (issue 6): phase 1 caches the plain ground-truth sequence, phase 2 feeds only the mask
+adapters: phase 1 caches the plain ground-truth sequence, phase 2 feeds only the mask
 spans over that KV cache.
 """
 
@@ -164,6 +164,9 @@ def build_layout(
 ) -> Layout:
     """Build the blocked layout of ``regions`` over ``sequences`` (paper 3.3).
 
+    Three steps: lay out each row (ground truth with each region's masks after its anchor), pad the
+    rows to one width, and build the blocked attention mask (:func:`blocked_attention_mask`).
+
     Args:
         sequences: ``B`` ground-truth rows (token ids), possibly of different lengths.
         regions: from :func:`place_regions` (or hand-made: anchors within the row, any ``k ≥ 1``;
@@ -179,81 +182,85 @@ def build_layout(
     """
     if not sequences:
         raise ValueError("Empty batch: no sequences to lay out.")
-    B = len(sequences)
-    by_row: list[dict[int, Region]] = [dict() for _ in range(B)]
-    region_id: dict[Region, int] = {}
-    for i, reg in enumerate(regions):
-        if not 0 <= reg.batch < B or not 0 <= reg.anchor < len(sequences[reg.batch]):
+    by_row: list[dict[int, int]] = [dict() for _ in sequences]  # anchor -> region id, per row
+    for rid, reg in enumerate(regions):
+        if not 0 <= reg.batch < len(sequences) or not 0 <= reg.anchor < len(sequences[reg.batch]):
             raise ValueError(f"Region {reg} lies outside its row.")
         if reg.anchor in by_row[reg.batch]:
             raise ValueError(f"Two regions at anchor {reg.anchor} of row {reg.batch}.")
-        by_row[reg.batch][reg.anchor] = reg
-        region_id[reg] = i
+        by_row[reg.batch][reg.anchor] = rid
 
-    rows_ids, rows_pos, rows_kind, rows_limit, rows_span, rows_j, rows_gt = [], [], [], [], [], [], []
-    preds: list[tuple[int, int, int, int, int, bool]] = []  # (region id, j, batch, slot, target, after_eos)
+    rows, preds = [], []
     for b, seq in enumerate(sequences):
-        ids, pos, kind, limit, span, jj, gt_idx = [], [], [], [], [], [], []
-        for t, tok in enumerate(seq):
-            gt_idx.append(len(ids))
-            ids.append(int(tok)); pos.append(t); kind.append(GT); limit.append(t); span.append(-1); jj.append(0)
-            reg = by_row[b].get(t)
-            if reg is None:
-                continue
-            rid = region_id[reg]
-            for j in range(reg.k):
-                slot = gt_idx[-1] if j == 0 else len(ids)
-                if j > 0:
-                    ids.append(mask_token_id); pos.append(t + j); kind.append(MASK); limit.append(t)
-                    span.append(rid); jj.append(j)
-                target = t + 1 + j
-                preds.append((rid, j, b, slot, target, reg.eos is not None and target > reg.eos))
-        rows_ids.append(ids); rows_pos.append(pos); rows_kind.append(kind); rows_limit.append(limit)
-        rows_span.append(span); rows_j.append(jj); rows_gt.append(gt_idx)
+        row, row_preds = _lay_out_row(b, seq, by_row[b], regions, mask_token_id)
+        rows.append(row)
+        preds += row_preds
+    width, n = max(len(r["ids"]) for r in rows), max(len(s) for s in sequences)
 
-    L = max(len(r) for r in rows_ids)
-    N = max(len(s) for s in sequences)
+    def pad(key: str, value: int, to: int = width) -> torch.Tensor:
+        return torch.tensor([r[key] + [value] * (to - len(r[key])) for r in rows], dtype=torch.long)
 
-    def pad(rows: list[list[int]], value: int, width: int) -> torch.Tensor:
-        return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long)
+    position_ids, kind = pad("pos", 0), pad("kind", PAD)
+    mask = blocked_attention_mask(position_ids, kind, pad("limit", -1), pad("span", -2), pad("j", 0))
+    preds.sort(key=lambda p: (p[0], p[1]))  # region by region, block index ascending
 
-    input_ids = pad(rows_ids, pad_token_id, L)
-    position_ids = pad(rows_pos, 0, L)
-    kind = pad(rows_kind, PAD, L)
-    limit = pad(rows_limit, -1, L)
-    span = pad(rows_span, -2, L)
-    jj = pad(rows_j, 0, L)
-    gt_index = pad(rows_gt, -1, N)
-
-    # allowed[b, q, kv]
-    q_limit = limit[:, :, None]
-    kv_pos = position_ids[:, None, :]
-    kv_gt = (kind == GT)[:, None, :]
-    q_real = (kind != PAD)[:, :, None]
-    allowed = kv_gt & q_real & (kv_pos <= q_limit)
-    same_span = (span[:, :, None] == span[:, None, :]) & (kind == MASK)[:, :, None] & (kind == MASK)[:, None, :]
-    allowed |= same_span & (jj[:, None, :] <= jj[:, :, None])
-    eye = torch.eye(L, dtype=torch.bool)[None]
-    allowed |= eye & (kind == PAD)[:, :, None]  # padding attends to itself only (no empty rows)
-    mask = torch.zeros(B, 1, L, L, dtype=torch.float32)
-    mask.masked_fill_(~allowed[:, None], float("-inf"))
-
-    preds.sort(key=lambda p: (p[0], p[1]))
-    def col(i: int, dtype=torch.long) -> torch.Tensor:
+    def col(i: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor([p[i] for p in preds], dtype=dtype)
 
-    k = max((r.k for r in regions), default=1)
     return Layout(
-        input_ids=input_ids, position_ids=position_ids, attention_mask=mask, kind=kind, gt_index=gt_index,
-        pred_batch=col(2), pred_index=col(3), pred_region=col(0), pred_block=col(1), pred_target=col(4),
-        pred_after_eos=col(5, torch.bool), regions=list(regions), sequences=[list(map(int, s)) for s in sequences],
-        k=k,
+        input_ids=pad("ids", pad_token_id), position_ids=position_ids, attention_mask=mask, kind=kind,
+        gt_index=pad("gt", -1, n), pred_batch=col(2), pred_index=col(3), pred_region=col(0), pred_block=col(1),
+        pred_target=col(4), pred_after_eos=col(5, torch.bool), regions=list(regions),
+        sequences=[list(map(int, s)) for s in sequences], k=max((r.k for r in regions), default=1),
     )
+
+
+def _lay_out_row(b: int, seq: Sequence[int], anchors: dict[int, int], regions: Sequence[Region], mask_token_id: int
+                 ) -> tuple[dict[str, list[int]], list[tuple[int, int, int, int, int, bool]]]:
+    """One row of a layout: per slot its token, position, kind, attention limit (the last ground-truth
+    position it may see), span (region id of a mask, -1 for ground truth) and block index; the slot of
+    each ground-truth token; and the row's predictions ``(region id, j, row, slot, target, after EOS)``."""
+    row: dict[str, list[int]] = {key: [] for key in ("ids", "pos", "kind", "limit", "span", "j", "gt")}
+
+    def put(token: int, pos: int, kind: int, limit: int, span: int, j: int) -> int:
+        for key, v in zip(("ids", "pos", "kind", "limit", "span", "j"), (token, pos, kind, limit, span, j)):
+            row[key].append(v)
+        return len(row["ids"]) - 1
+
+    preds = []
+    for t, tok in enumerate(seq):
+        row["gt"].append(put(int(tok), t, GT, t, -1, 0))
+        rid = anchors.get(t)
+        if rid is None:
+            continue
+        reg = regions[rid]
+        for j in range(reg.k):
+            slot = row["gt"][-1] if j == 0 else put(mask_token_id, t + j, MASK, t, rid, j)
+            target = t + 1 + j
+            preds.append((rid, j, b, slot, target, reg.eos is not None and target > reg.eos))
+    return row, preds
+
+
+def blocked_attention_mask(position_ids: torch.Tensor, kind: torch.Tensor, limit: torch.Tensor, span: torch.Tensor,
+                           j: torch.Tensor) -> torch.Tensor:
+    """The blocked attention mask of a layout (paper 3.3), ``[B, 1, L, L]`` float32, 0 = may attend.
+
+    A query sees the ground-truth keys up to its ``limit`` position (its own position for ground truth,
+    its anchor for a mask), and a mask also sees the earlier masks of its own span; padding sees only
+    itself (no empty rows). All inputs are ``[B, L]``.
+    """
+    is_mask = kind == MASK
+    allowed = (kind == GT)[:, None, :] & (kind != PAD)[:, :, None] & (position_ids[:, None, :] <= limit[:, :, None])
+    same_span = (span[:, :, None] == span[:, None, :]) & is_mask[:, :, None] & is_mask[:, None, :]
+    allowed |= same_span & (j[:, None, :] <= j[:, :, None])
+    allowed |= torch.eye(kind.shape[1], dtype=torch.bool)[None] & (kind == PAD)[:, :, None]
+    mask = torch.zeros(allowed.shape[0], 1, *allowed.shape[1:], dtype=torch.float32)
+    return mask.masked_fill_(~allowed[:, None], float("-inf"))
 
 
 @dataclass
 class SpanLayout:
-    """Two-phase form of a layout (activated adapters, issue 6).
+    """Two-phase form of a layout (activated adapters).
 
     Phase 1 runs the padded ground truth ``gt_ids`` ``[B, N]`` with plain causal attention and keeps its
     KV cache. Phase 2 feeds ``span_ids`` ``[B, S]`` (every region's ``k - 1`` masks, region by region,

@@ -39,6 +39,8 @@ from lm_eval.api.registry import register_model
 
 from .checkpoint import DEFAULT_SOURCE, LoadedModel, load_checkpoint
 from .decoding import Decoder
+from .evaluate import teacher_logprob
+from .text import chat_prompt_ids, encode_literal
 from .strategies import DEFAULT_STATIC_K, DEFAULT_TAU, check_max_new_tokens, make_strategy
 
 log = logging.getLogger(__name__)
@@ -97,7 +99,7 @@ class MTPLM(LM):
         if kwargs:
             raise ValueError(f"Unknown model_args for mtp: {', '.join(sorted(kwargs))}.")
         tau_value = threshold if threshold is not None else (tau if tau is not None else DEFAULT_TAU)
-        make_strategy(strategy, tau=tau_value, k_max=k_max or 1, k=k)  # bad arguments fail before loading
+        make_strategy(strategy, tau=tau_value, k_max=k_max, k=k)  # bad arguments fail before loading
         self.max_gen_toks = check_max_new_tokens(max_gen_toks)
         if isinstance(pretrained, LoadedModel):
             self.lm = pretrained
@@ -106,7 +108,10 @@ class MTPLM(LM):
                 device = "cpu"  # the harness passes --device verbatim
             self.lm = load_checkpoint(str(pretrained), device=device or "auto", dtype=dtype, adapter=_bool(adapter))
         self._device = self.lm.device
-        self.strategy = make_strategy(strategy, tau=tau_value, k_max=k_max or self.lm.default_k_max, k=k)
+        self._rendered: dict[str, list[int]] = {}
+        if k_max is None and str(strategy).strip().lower() != "static":
+            k_max = self.lm.default_k_max
+        self.strategy = make_strategy(strategy, tau=tau_value, k_max=k_max, k=k)
         self.stats_file = stats_file
         self.stats: dict[str, Any] = {"strategy": self.strategy.spec, "requests": 0, "new_tokens": 0,
                                       "forward_passes": 0, "effective_k": 0.0, "seconds": 0.0,
@@ -126,12 +131,20 @@ class MTPLM(LM):
         return getattr(self.lm.tokenizer, "chat_template", None) or ""
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Format a chat history with the model's chat template (text, not ids)."""
-        return self.lm.tokenizer.apply_chat_template(
-            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt)
+        """Format a chat history with the model's chat template. The harness wants text; the ids of
+        that text, with each message's content tokenised literally (:func:`model.text.chat_prompt_ids`),
+        are remembered so that :meth:`_encode` never turns task text into special tokens."""
+        tok = self.lm.tokenizer
+        text = tok.apply_chat_template(chat_history, tokenize=False, add_generation_prompt=add_generation_prompt)
+        self._rendered[text] = chat_prompt_ids(tok, list(chat_history), add_generation_prompt)
+        return text
 
     def _encode(self, text: str) -> list[int]:
-        ids = self.lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+        """Ids of a context: a chat this model rendered (its remembered ids), else the text taken
+        literally (task text is content, never markup), after the BOS for ``bos_newlines`` models."""
+        if text in self._rendered:
+            return list(self._rendered[text])
+        ids = encode_literal(self.lm.tokenizer, text)
         bos = self.lm.tokenizer.bos_token_id
         if self.lm.prompt_format == "bos_newlines" and bos is not None and (not ids or ids[0] != bos):
             ids = [bos] + ids
@@ -156,9 +169,7 @@ class MTPLM(LM):
             max_new = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
             if gen_kwargs.get("do_sample") or float(gen_kwargs.get("temperature", 0.0) or 0.0) > 0:
                 log.warning("mtp decodes greedily: ignoring sampling arguments %s", gen_kwargs)
-            ids = self._encode(context)
-            if not ids:
-                ids = [self.lm.tokenizer.bos_token_id or self.lm.stop_token_ids[0]]
+            ids = self._encode(context) or [self._prefix_id()]
             dec = Decoder(self.lm, ids, self.strategy, max_new)
             text = ""
             t0 = time.perf_counter()
@@ -193,26 +204,22 @@ class MTPLM(LM):
         if self.stats_file:
             p = Path(self.stats_file)
             p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(json.dumps(self.stats, indent=1))
+            p.write_text(json.dumps(self.stats, indent=1, allow_nan=False))
 
     # ------------------------------------------------------------------ likelihoods
-    @torch.inference_mode()
-    def _logprobs(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
-        """Sum of log p(continuation | context) under the base model and whether it is greedy."""
-        ids = torch.tensor([context + continuation], dtype=torch.long, device=self.lm.device)
-        n = len(continuation)
-        with self.lm.base_model() as model:
-            logits = model(input_ids=ids, use_cache=False, logits_to_keep=n + 1).logits[0, :-1].float()
-        logits[:, self.lm.mask_token_id] = float("-inf")
-        logp = torch.log_softmax(logits, dim=-1)
-        target = ids[0, -n:]
-        total = logp.gather(1, target[:, None]).sum().item()
-        greedy = bool((logp.argmax(dim=-1) == target).all().item())
-        return float(total), greedy
-
     def _prefix_id(self) -> int:
+        """The token that stands for an empty context: BOS, else the first stop token.
+
+        Raises:
+            ValueError: the model has neither (an empty context cannot be scored).
+        """
         tok = self.lm.tokenizer
-        return tok.bos_token_id if tok.bos_token_id is not None else self.lm.stop_token_ids[0]
+        if tok.bos_token_id is not None:
+            return tok.bos_token_id
+        if self.lm.stop_token_ids:
+            return self.lm.stop_token_ids[0]
+        raise ValueError("This model has neither a BOS nor an EOS token: a request with an empty context "
+                         "cannot be scored or generated.")
 
     def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """``(log p(continuation | context), is_greedy)`` per request, under the base model (adapter off).
@@ -224,8 +231,8 @@ class MTPLM(LM):
         for req in requests:
             context, continuation = req.args[0], req.args[1]
             ctx = self._encode(context) if context else [self._prefix_id()]
-            cont = self.lm.tokenizer(continuation, add_special_tokens=False)["input_ids"]
-            res = self._logprobs(ctx, cont) if cont else (0.0, True)
+            cont = encode_literal(self.lm.tokenizer, continuation)
+            res = teacher_logprob(self.lm, ctx, cont)
             self.cache_hook.add_partial("loglikelihood", req.args, res)
             out.append(res)
         return out
@@ -234,14 +241,14 @@ class MTPLM(LM):
         """Full-text log-likelihood per request (rolling windows of the model's context length)."""
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-        max_len = int(getattr(self.lm.model.config, "max_position_embeddings", 2048))
+        max_len = self.lm.max_positions or 2048
         out = []
         for req in requests:
-            ids = self.lm.tokenizer(req.args[0], add_special_tokens=False)["input_ids"]
+            ids = encode_literal(self.lm.tokenizer, req.args[0])
             total = 0.0
             for window in get_rolling_token_windows(ids, self._prefix_id(), max_len, 1):
                 ctx, cont = make_disjoint_window(window)
-                total += self._logprobs(list(ctx), list(cont))[0]
+                total += teacher_logprob(self.lm, list(ctx), list(cont))[0]
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
             out.append(total)
         return out

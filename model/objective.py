@@ -1,4 +1,4 @@
-"""The MTP self-distillation objective, student forced (paper 3.3; DESIGN.md section 2).
+"""The MTP self-distillation objective, student forced (paper 3.3; docs/DESIGN.md).
 
 One training step on a blocked :class:`~model.layout.Layout`:
 
@@ -12,7 +12,7 @@ One training step on a blocked :class:`~model.layout.Layout`:
 4. loss: cross-entropy of the student's logits against the labels, averaged over predicted
    positions only (no loss on prefix positions).
 
-:func:`alora_objective` is the same objective in the two-phase form of activated adapters (issue 6).
+:func:`alora_objective` is the same objective in the two-phase form of activated adapters.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def mtp_objective(
                       loss_positions=use, k=layout.k)
 
 
-# ----------------------------------------------------------------------- activated adapters (issue 6)
+# ----------------------------------------------------------------------- activated adapters
 def phase1_prefix(model: Any, span: SpanLayout) -> tuple[Any, torch.Tensor]:
     """Phase 1: the plain causal forward of the ground truth, without gradient (adapter-off base).
 
@@ -232,7 +232,7 @@ def alora_objective(
     soft_teacher: bool = False,
     unwrapped: Any | None = None,
 ) -> StepOutput:
-    """The MTP objective for an activated adapter, in two phases (issue 6).
+    """The MTP objective for an activated adapter, in two phases.
 
     Phase 1 runs the base (``base_context``: adapter off) over the ground truth once, without
     gradient, and keeps its KV cache; its logits at each anchor are both the student's and the

@@ -257,13 +257,16 @@ def verify(k_max: Any = DEFAULT_K_MAX) -> Verify:
     return Verify(k_max=check_k_max(k_max))
 
 
-def make_strategy(name: Any, *, tau: Any = DEFAULT_TAU, k_max: Any = DEFAULT_K_MAX, k: Any = DEFAULT_STATIC_K
-                  ) -> Strategy:
+def make_strategy(name: Any, *, tau: Any = DEFAULT_TAU, k_max: Any = None, k: Any = DEFAULT_STATIC_K) -> Strategy:
     """A strategy from separate arguments (CLI flags, app controls); only the ones it uses are checked.
 
     Args:
         name: ``standard``, ``static``, ``confadapt`` or ``verify`` (case and spaces ignored;
             the app's labels ``static k`` and ``lossless`` are accepted too).
+        tau: ConfAdapt's threshold.
+        k_max: proposals per pass for ConfAdapt / verify (None: :data:`DEFAULT_K_MAX`); for static k,
+            when given, an upper bound that ``k`` must respect.
+        k: static k's block size.
 
     Raises:
         ValueError: an unknown name or an invalid parameter, with a message naming it.
@@ -273,11 +276,11 @@ def make_strategy(name: Any, *, tau: Any = DEFAULT_TAU, k_max: Any = DEFAULT_K_M
     if key == "standard":
         return standard()
     if key == "static":
-        return static_k(k)
+        return static_k(k, k_max)
     if key == "confadapt":
-        return confadapt(tau, k_max)
+        return confadapt(tau, DEFAULT_K_MAX if k_max is None else k_max)
     if key == "verify":
-        return verify(k_max)
+        return verify(DEFAULT_K_MAX if k_max is None else k_max)
     raise ValueError(f"Unknown strategy {name!r}: use {', '.join(STRATEGY_NAMES)}.")
 
 

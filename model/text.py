@@ -1,4 +1,10 @@
-"""Where tokens meet text: the bytes behind each token and the state of an open UTF-8 character.
+"""Where tokens meet text: prompts that keep untrusted text literal, the bytes behind each token,
+and the state of an open UTF-8 character.
+
+User and model text is content, never markup: a message that spells ``<|im_end|>`` or the mask
+token must become the tokens of those characters, not the special token (else a user could forge an
+assistant turn or put a mask token into the KV cache). Only the chat template's own markup becomes
+special tokens (:func:`chat_prompt_ids`, :func:`encode_literal`).
 
 Byte-level vocabularies (GPT-2 style BPE as in SmolLM2, Llama 3, Qwen; SentencePiece with byte
 fallback as in Llama 2) can split one multi-byte character over several tokens. A block of
@@ -15,6 +21,51 @@ from functools import lru_cache
 from typing import Any, Iterable
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+_SLOT = "\ue000{}\ue001"  # a placeholder for message i while the template renders (private-use characters)
+
+
+def encode_literal(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` taken literally: a substring that spells a special token is tokenised as
+    the characters it is made of (``split_special_tokens``); no BOS/EOS added."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """A chat rendered with the tokenizer's template, each message's content taken literally.
+
+    The template renders placeholders instead of the contents. The special tokens in that render are
+    the template's own markup and become special-token ids; the text between them, with the contents
+    put back, is tokenised with :func:`encode_literal`. For ordinary text the ids equal tokenising the
+    fully rendered chat (tested); a content that spells a special token keeps its characters.
+
+    Args:
+        messages: ``[{"role": ..., "content": str}, ...]``.
+
+    Returns:
+        The prompt's token ids.
+
+    Raises:
+        ValueError: the template drops, repeats or rewrites a message's content (it cannot be kept
+            literal), or a content holds the placeholder character U+E000.
+    """
+    contents = [str(m.get("content", "")) for m in messages]
+    if any("\ue000" in c for c in contents):
+        raise ValueError("Message text may not contain the private-use character U+E000.")
+    slots = [_SLOT.format(i) for i in range(len(messages))]
+    rendered = tokenizer.apply_chat_template([{**m, "content": slot} for m, slot in zip(messages, slots)],
+                                             tokenize=False, add_generation_prompt=add_generation_prompt)
+    if any(rendered.count(slot) != 1 for slot in slots):
+        raise ValueError("This model's chat template drops or rewrites message text, so it cannot be kept literal.")
+    specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True)
+    ids: list[int] = []
+    for piece in re.split("(" + "|".join(map(re.escape, specials)) + ")", rendered) if specials else [rendered]:
+        if piece in specials:
+            ids.append(tokenizer.convert_tokens_to_ids(piece))
+        elif piece:
+            for slot, content in zip(slots, contents):
+                piece = piece.replace(slot, content)
+            ids += encode_literal(tokenizer, piece)
+    return ids
 
 
 @lru_cache(maxsize=1)
@@ -36,6 +87,8 @@ class TokenBytes:
     def __init__(self, tokenizer: Any):
         self._tok = tokenizer
         self._special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        self._special |= {i for i, t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).items()
+                          if getattr(t, "special", False)}
         self._cache: dict[int, bytes] = {}
 
     def __call__(self, token_id: int) -> bytes:

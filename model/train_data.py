@@ -28,14 +28,19 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class Example:
-    """One training example: a user prompt and the response to learn (None: to be generated)."""
+    """One training example: a user prompt and the response to learn (None: to be generated);
+    ``reference``: the data's own answer when ``response`` is a generated one (``model.self_answers``
+    rows), so that a run can mix the two (``--reference-share``)."""
 
     prompt: str
     response: str | None
     where: str = ""
+    reference: str | None = None
 
 
-def _row_example(row: Any, where: str, need_response: bool) -> Example:
+def _row_example(row: Any, where: str, need_response: bool) -> Example | None:
+    """The row's example; None for a generated answer that is empty (the model answered with an
+    immediate EOS: ``model.self_answers`` keeps such rows, marked ``generated_by``, to know they are done)."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}.")
     for pkey, rkey in FIELD_PAIRS:
@@ -49,9 +54,12 @@ def _row_example(row: Any, where: str, need_response: bool) -> Example:
                     raise DataError(f"{where}: missing field {rkey!r} (rows need {pkey}/{rkey}; rows with only "
                                     f"{pkey!r} need --self-distill-answers).")
                 return Example(prompt, None, where)
+            if row.get("generated_by") and resp == "":
+                return None
             if not isinstance(resp, str) or not resp.strip():
                 raise DataError(f"{where}: field {rkey!r} must be a non-empty string.")
-            return Example(prompt, resp, where)
+            ref = row.get("reference")
+            return Example(prompt, resp, where, reference=ref if isinstance(ref, str) and ref.strip() else None)
     raise DataError(f"{where}: missing field 'question' or 'prompt' (rows need question/answer or "
                     f"prompt/response); found keys {sorted(row)[:8]}.")
 
@@ -75,7 +83,9 @@ def read_jsonl(path: str | Path, *, need_response: bool = True, limit: int | Non
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}).") from None
-            out.append(_row_example(row, where, need_response))
+            ex = _row_example(row, where, need_response)
+            if ex is not None:
+                out.append(ex)
             if limit is not None and len(out) >= limit:
                 break
     if not out:
@@ -101,7 +111,9 @@ def load_examples(spec: str, *, need_response: bool = True, split: str = "train"
         raise DataError(f"{spec}: not a file and not a loadable dataset ({type(e).__name__}: {e}).") from None
     out = []
     for i, row in enumerate(ds):
-        out.append(_row_example(dict(row), f"{spec}[{split}]:{i}", need_response))
+        ex = _row_example(dict(row), f"{spec}[{split}]:{i}", need_response)
+        if ex is not None:
+            out.append(ex)
         if limit is not None and len(out) >= limit:
             break
     if not out:
@@ -113,11 +125,13 @@ def write_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
     """Write rows as JSONL (UTF-8)."""
     with Path(path).open("w", encoding="utf-8") as f:
         for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            f.write(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n")
 
 
 def encode(lm: Any, examples: Sequence[Example], seq_len: int) -> tuple[list[list[int]], list[int], int]:
     """Ground-truth sequences: ``lm.prompt_ids(prompt)`` + response tokens + EOS, cut at ``seq_len``.
+
+    Prompt and response are tokenised literally: text that spells a special token stays text.
 
     Returns:
         ``(sequences, response_starts, dropped)``: rows whose prompt leaves no room for a response
@@ -126,14 +140,16 @@ def encode(lm: Any, examples: Sequence[Example], seq_len: int) -> tuple[list[lis
     Raises:
         DataError: an example without a response; every example dropped.
     """
+    from .text import encode_literal
+
     tok = lm.tokenizer
-    eos = tok.eos_token_id
+    end = list(lm.stop_token_ids[:1])  # the model's EOS; a model without one ends its rows without it
     seqs, starts, dropped = [], [], 0
     for ex in examples:
         if ex.response is None:
             raise DataError(f"{ex.where}: no response to train on (generate them with --self-distill-answers).")
         p = lm.prompt_ids(ex.prompt)
-        r = tok(ex.response, add_special_tokens=False)["input_ids"] + [eos]
+        r = encode_literal(tok, ex.response) + end  # response text is content, never markup
         seq = (p + r)[:seq_len]
         if len(p) >= len(seq):
             dropped += 1

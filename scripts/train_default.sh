@@ -1,30 +1,70 @@
 #!/usr/bin/env bash
-# Recipe for the embedded default: an activated-LoRA MTP adapter for SmolLM2-135M-Instruct (issue 7).
+# Recipe for the embedded default: an activated-LoRA MTP adapter for SmolLM2-135M-Instruct, trained on
+# the base model's own greedy answers. One script for the CPU and for a CUDA GPU.
 #
-#   bash scripts/train_default.sh                    # CPU, fresh run, 70 minutes
-#   MINUTES=600 BATCH=64 bash scripts/train_default.sh   # e.g. a GPU (bf16 autocast is automatic on CUDA)
-#   CONTINUE=1 bash scripts/train_default.sh         # continue from the adapter shipped in assets/
+#   DATA=openai/gsm8k:main bash scripts/train_default.sh                   # CPU: 150 CPU-minutes of training
+#   DATA=train.jsonl MINUTES=120 BATCH=64 bash scripts/train_default.sh     # CUDA GPU: 120 minutes, bf16
+#   DATA=train.jsonl CONTINUE=0 bash scripts/train_default.sh               # fresh adapter instead
+#   DRY_RUN=1 DATA=train.jsonl bash scripts/train_default.sh                # print the commands only
 #
-# Data: GSM8K train questions with their reference answers (calculator annotations <<...>> removed,
-# since the model never writes them). Output: runs/default/final, copied to assets/smollm2-135m-mtp
-# when PUBLISH=1. Resumable: rerunning with the same OUT resumes from its latest checkpoint.
+# Steps (each resumable: rerun the same command after an interruption):
+#   1. the base model's greedy answers to the DATA questions (python -m model.self_answers; bf16 where
+#      the device runs it natively; ANSWERS=N answers only the first N questions);
+#   2. python -m model.train on them, continuing from assets/smollm2-135m-mtp (CONTINUE=0: fresh), for
+#      MINUTES of wall clock or CPU_MINUTES of training CPU time; mixed precision auto (bf16 on CUDA and
+#      on CPUs with AVX512-BF16/AMX, else float32); resumes from OUT's checkpoint when there is one;
+#   3. PUBLISH=1 copies OUT/final into assets/smollm2-135m-mtp.
+#
+# OUT holds train_log.jsonl, ONE resumable checkpoint (trainable weights + bf16 AdamW moments, ~40 MB)
+# and final/ (the ~9 MB adapter): ~50 MB, small enough to bring back from a rented GPU; the answers go
+# to ANSWERS_FILE (default runs/self_answers/<name of DATA>.jsonl), outside OUT.
+# DATA is a JSONL file with question (or prompt) rows, or a datasets id such as openai/gsm8k:main.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-DATA=${DATA:-../shared/data/gsm8k/train.jsonl}
+: "${DATA:?set DATA to a JSONL file of questions or a datasets id, e.g. DATA=openai/gsm8k:main}"
+BASE=${BASE:-smollm2-135m}
 OUT=${OUT:-runs/default}
-MINUTES=${MINUTES:-70}
-BATCH=${BATCH:-8}
-mkdir -p "$OUT"
-sed -E 's/<<[^>]*>>//g' "$DATA" > "$OUT/train_clean.jsonl"
+if [ -f "$DATA" ]; then STEM=$(basename "$DATA" .jsonl); else STEM=${DATA//[:\/]/_}; fi
+ANSWERS_FILE=${ANSWERS_FILE:-runs/self_answers/${STEM}.jsonl}
+MAX_NEW=${MAX_NEW:-192}
+SEQ_LEN=${SEQ_LEN:-160}
+GPU=${GPU:-auto}   # auto: CUDA if torch sees it (GPU=1 / GPU=0 force the settings, e.g. with DRY_RUN=1)
+[ "$GPU" = auto ] && { "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null && GPU=1 || GPU=0; }
+if [ "$GPU" = 1 ]; then
+  GPU=1; BATCH=${BATCH:-64}; ANSWER_BATCH=${ANSWER_BATCH:-256}; THREADS=${THREADS:-}
+else
+  GPU=0; BATCH=${BATCH:-8}; ANSWER_BATCH=${ANSWER_BATCH:-32}; THREADS=${THREADS:-1}
+  # CPU: train for a CPU-time budget unless MINUTES is given
+  [ -z "${MINUTES:-}" ] && CPU_MINUTES=${CPU_MINUTES:-150}
+fi
+SAVE_EVERY=${SAVE_EVERY:-$([ $GPU = 1 ] && echo 200 || echo 20)}
+threads=(); [ -n "$THREADS" ] && threads=(--threads "$THREADS")
+limit=(); [ -n "${ANSWERS:-}" ] && limit=(--limit "$ANSWERS")
+budget=(); [ -n "${MINUTES:-}" ] && budget+=(--max-minutes "$MINUTES")
+[ -n "${CPU_MINUTES:-}" ] && budget+=(--max-cpu-minutes "$CPU_MINUTES")
 extra=()
-[ "${CONTINUE:-0}" = 1 ] && extra+=(--init-adapter assets/smollm2-135m-mtp)
-ls "$OUT"/checkpoint-* >/dev/null 2>&1 && extra+=(--resume auto)
-[ -n "${THREADS:-}" ] && extra+=(--threads "$THREADS")   # THREADS=1 on a CPU shared with other jobs
-HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} "$PY" -m model.train --base smollm2-135m --data "$OUT/train_clean.jsonl" \
-  --output "$OUT" --adapter alora --lora-rank 16 --k-max 4 --spacing 4 --lr 1e-3 --warmup 20 \
-  --batch-size "$BATCH" --seq-len 160 --max-steps 100000 --max-minutes "$MINUTES" --save-every 10 \
-  --keep-checkpoints 2 --log-every 1 --seed 0 --save-dtype bfloat16 "${extra[@]}"
+[ "${CONTINUE:-1}" = 1 ] && [ "$BASE" = smollm2-135m ] && extra+=(--init-adapter assets/smollm2-135m-mtp)
+[ -n "${INIT_ADAPTER:-}" ] && extra+=(--init-adapter "$INIT_ADAPTER")
+[ -n "${MAX_STEPS:-}" ] || MAX_STEPS=1000000
+[ -n "${EXPORT_EVERY:-}" ] && extra+=(--export-every "$EXPORT_EVERY")
+
+gen=("$PY" -m model.self_answers --base "$BASE" --data "$DATA" --out "$ANSWERS_FILE" --batch-size "$ANSWER_BATCH"
+     --max-new-tokens "$MAX_NEW" "${limit[@]}" "${threads[@]}")
+train=("$PY" -m model.train --base "$BASE" --data "$ANSWERS_FILE" --output "$OUT" --adapter alora --lora-rank 16
+       --k-max 4 --spacing 4 --lr 1e-3 --warmup 20 --batch-size "$BATCH" --seq-len "$SEQ_LEN" --max-steps "$MAX_STEPS"
+       --save-every "$SAVE_EVERY" --keep-checkpoints 1 --compact-checkpoints --log-every 1 --seed 0
+       --save-dtype bfloat16 --mixed-precision auto "${budget[@]}" "${threads[@]}" "${extra[@]}")
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  echo "${gen[*]}"; echo "${train[*]} [--resume auto]"; exit 0
+fi
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-0} TOKENIZERS_PARALLELISM=false
+[ $GPU = 0 ] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${THREADS:-1}}
+mkdir -p "$OUT" "$(dirname "$ANSWERS_FILE")"
+"${gen[@]}"
+ls "$OUT"/checkpoint-* >/dev/null 2>&1 && train+=(--resume auto)
+"${train[@]}"
+du -sh "$OUT"
 if [ "${PUBLISH:-0}" = 1 ]; then
   mkdir -p assets/smollm2-135m-mtp
   cp "$OUT"/final/* assets/smollm2-135m-mtp/

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-GSM8K_DIR = ROOT.parent / "shared" / "data" / "gsm8k"
+GSM8K_SAMPLE = ROOT / "assets" / "gsm8k_test_sample.jsonl"  # 20 GSM8K test problems (MIT), in the repository
 
 from model.checkpoint import LoadedModel, load_checkpoint, wrap_model  # noqa: E402
 
@@ -38,6 +38,15 @@ def smollm2() -> LoadedModel:
     """The real SmolLM2-135M-Instruct base (GGUF), mask token added, no adapter. Read-only use!"""
     try:
         return load_checkpoint("smollm2-135m", adapter=False)
+    except Exception as e:  # package missing: integration tests cannot run
+        pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_adapter() -> LoadedModel:
+    """The embedded default as users get it: SmolLM2-135M-Instruct + the MTP adapter in assets/. Read-only use!"""
+    try:
+        return load_checkpoint("smollm2-135m")
     except Exception as e:  # package missing: integration tests cannot run
         pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
 
@@ -73,6 +82,7 @@ def make_tiny(tokenizer, arch: str = "llama", dtype=torch.float32, seed: int = 0
     return model
 
 
+
 @pytest.fixture
 def tiny_lm(base_tokenizer) -> LoadedModel:
     """A fresh tiny Llama (float32) wrapped with the real tokenizer; mask token present."""
@@ -87,9 +97,46 @@ def tiny_lm64(base_tokenizer) -> LoadedModel:
     return wrap_model(make_tiny(tok, dtype=torch.float64), tok, source="tiny-llama-f64")
 
 
-def gsm8k_path(split: str = "test") -> Path:
-    """../shared/data/gsm8k/{split}.jsonl, or skip the test when absent."""
-    p = GSM8K_DIR / f"{split}.jsonl"
-    if not p.is_file():
-        pytest.skip(f"{p} not present")
-    return p
+# ----------------------------------------------------------------------------- a model that learned a corpus
+def pretrained_teacher(base_tokenizer):
+    """A tiny Llama pre-trained (next-token) for 60 steps on a repetitive corpus: it knows the corpus
+    (loss < 0.5), so its greedy continuations are predictable several tokens ahead."""
+    from model.train_data import Example, encode
+
+    tok = copy.deepcopy(base_tokenizer)
+    words = ["red", "green", "blue", "black", "white"]
+    examples = [Example(f"Say {w}", " ".join([w] * 14)) for w in words]
+    # Tied embeddings at ordinary scale (x20 undone): before MTP training its mask positions mostly
+    # echo their input, so agreement starts low (0.06-0.42 measured) and the rise is unmistakable.
+    model = make_tiny(tok, tied=True)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.div_(20.0)
+    lm = wrap_model(model, tok, prompt_format="bos_newlines")
+    seqs, _, _ = encode(lm, examples, 64)
+    x = torch.tensor(seqs)
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(60):
+        b = x[torch.randint(0, len(seqs), (4,), generator=g)]
+        loss = model(input_ids=b, labels=b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert loss.item() < 0.5  # the teacher knows the corpus
+    model.eval()
+    return lm, examples
+
+
+def mtp_run(lm, examples, out, *, seed=0, steps=40, mixed_precision="no", adapter="lora"):
+    """Train ``lm`` (a copy) with the project's trainer: LoRA r=8 + mask row, k in [2, 4], batch 4; the run's
+    directory is ``out`` (``out/final`` holds the adapter). Returns the parsed train log."""
+    import json
+
+    from model.train import TrainConfig, train
+
+    cfg = TrainConfig(base="tiny", data="in-memory", output=str(out), adapter=adapter, lora_rank=8,
+                      max_steps=steps, batch_size=4, seq_len=64, k_max=4, spacing=4, num_regions=4, lr=1e-2, warmup=0,
+                      weight_decay=0.0, save_every=1000, seed=seed, mixed_precision=mixed_precision)
+    train(cfg, lm=copy.deepcopy(lm), examples=examples)
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]

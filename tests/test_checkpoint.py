@@ -102,6 +102,12 @@ def test_bad_sources_raise_clear_errors(source, message):
         load_checkpoint(source)
 
 
+def test_a_file_that_is_not_a_model(tmp_path):
+    (tmp_path / "README.md").write_text("# hello")
+    with pytest.raises(CheckpointError, match="exists but is not a model"):
+        load_checkpoint(str(tmp_path / "README.md"))
+
+
 def test_directory_without_config(tmp_path):
     with pytest.raises(CheckpointError, match="no config.json"):
         load_checkpoint(str(tmp_path))

@@ -16,7 +16,7 @@ from model.evaluate import (
     STEP_BY_STEP, evaluate, load_problems, main, make_prompt, pareto_figure, parse_strategies, rescore, teacher_nll,
     write_figure,
 )
-from tests.conftest import gsm8k_path
+from tests.conftest import GSM8K_SAMPLE
 
 # --------------------------------------------------------------------------- extractor
 # Outputs of SmolLM2-135M-Instruct (greedy, chat format, GSM8K test questions 1-10; tails kept),
@@ -235,7 +235,7 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
 @pytest.mark.integration
 @pytest.mark.slow
 def test_cli_five_gsm8k_problems_default_model(tmp_path, capsys):
-    data = gsm8k_path("test")
+    data = GSM8K_SAMPLE
     out = tmp_path / "eval" / "smollm2.json"
     threads = torch.get_num_threads()
     try:

@@ -13,7 +13,7 @@ import pytest
 from lm_eval.api.instance import Instance
 
 from model.decoding import Decoder, confadapt, standard
-from model.evaluate import teacher_nll
+from model.evaluate import teacher_logprob, teacher_nll
 from model.lm_eval_mtp import MTPLM
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,7 +75,7 @@ def test_loglikelihood_under_base_model(tiny_lm64):
     dec = Decoder(tiny_lm64, ids, standard(), 2)
     for _ in dec:
         pass
-    ll_g, greedy_g = m._logprobs(ids, dec.generated)
+    ll_g, greedy_g = teacher_logprob(tiny_lm64, ids, dec.generated)
     assert greedy_g and ll_g == pytest.approx(sum(math.log(p.confidences[0]) for p in dec.passes), abs=1e-6)
     [rolling] = m.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("The cat sat.",), 0)])
     assert rolling < 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from model.checkpoint import load_checkpoint, wrap_model
 from model.decoding import Decoder, confadapt
 from model.train import TrainConfig, export_model, load_for_training, main, train
 from model.train_data import Example, encode
-from tests.conftest import ROOT, make_tiny
+from tests.conftest import ROOT, make_tiny, mtp_run, pretrained_teacher
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT),
        "OMP_NUM_THREADS": "1"}
@@ -78,43 +79,50 @@ def test_bad_options_are_rejected(tiny_dir, tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- learning
 def test_mtp_training_raises_teacher_agreement(base_tokenizer, tmp_path):
-    """A tiny Llama pre-trained (next-token) for 60 steps on a repetitive corpus, then 40 MTP steps
-    (LoRA r=8 + mask row, lr 1e-2, k in [2, 4], batch 4): agreement at mask positions goes from its
-    first-step value (0.19 when written) to > 0.9 (mean of the last 5 steps; 0.96 when written).
-    About 11 s (one torch thread) on this project's CPU."""
-    tok = copy.deepcopy(base_tokenizer)
-    words = ["red", "green", "blue", "black", "white"]
-    examples = [Example(f"Say {w}", " ".join([w] * 14)) for w in words]
-    model = make_tiny(tok)
-    with torch.no_grad():
-        model.get_input_embeddings().weight.div_(20.0)  # ordinary init scale for training
-    lm = wrap_model(model, tok, prompt_format="bos_newlines")
-    seqs, _, _ = encode(lm, examples, 64)
-    x = torch.tensor(seqs)
-    g = torch.Generator().manual_seed(0)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    model.train()
-    for _ in range(60):
-        b = x[torch.randint(0, len(seqs), (4,), generator=g)]
-        loss = model(input_ids=b, labels=b).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    assert loss.item() < 0.5  # the teacher knows the corpus
-    model.eval()
-    cfg = TrainConfig(base="tiny", data="in-memory", output=str(tmp_path / "run"), adapter="lora", lora_rank=8,
-                      max_steps=40, batch_size=4, seq_len=64, k_max=4, spacing=4, num_regions=4, lr=1e-2, warmup=0,
-                      weight_decay=0.0, save_every=1000, seed=0)
-    train(cfg, lm=lm, examples=examples)
-    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
-    assert len(log) == 40
-    start = log[0]["agreement_mask"]
-    end = sum(r["agreement_mask"] for r in log[-5:]) / 5
-    assert start < 0.6 and end > 0.9, (start, end)
-    for key in ("loss", "confidence", "agreement", "k", "seqs_per_s"):
+    """40 MTP steps (LoRA r=8 + mask row, lr 1e-2, k in [2, 4], batch 4, float32) on a teacher that
+    knows its corpus raise teacher agreement at mask positions from ~0.2 to ~0.9.
+
+    Robust across machines: floating-point trajectories differ between CPUs of the same kind (one
+    run ended at 0.96 on one machine and 0.851 on another, deterministically), and one 40-step run
+    ends anywhere in ~0.84-0.95 depending on seeds (measured over 9 pre-training x MTP seeds). So
+    three MTP seeds are averaged over their last 10 steps, and the bar (0.75, with a rise of at
+    least 0.3 over each run's first step) sits well below the 0.88-0.94 seed means measured. About
+    15 s (one torch thread)."""
+    lm, examples = pretrained_teacher(base_tokenizer)
+    starts, ends = [], []
+    for seed in (0, 1, 2):
+        log = mtp_run(lm, examples, tmp_path / f"run{seed}", seed=seed)
+        assert len(log) == 40 and log[0]["mixed_precision"] == "no"
+        start = log[0]["agreement_mask"]
+        end = sum(r["agreement_mask"] for r in log[-10:]) / 10
+        assert end > start + 0.3, (seed, start, end)
+        assert log[-1]["confidence_mask"] > log[0]["confidence_mask"]
+        assert {r["k"] for r in log} <= {2, 3, 4} and len({r["k"] for r in log}) > 1
+        starts.append(start)
+        ends.append(end)
+    for key in ("loss", "confidence", "agreement", "k", "seqs_per_s", "cpu_total", "seen"):
         assert key in log[0]
-    assert {r["k"] for r in log} <= {2, 3, 4} and len({r["k"] for r in log}) > 1
-    assert log[-1]["confidence_mask"] > log[0]["confidence_mask"]
+    assert sum(starts) / 3 < 0.5 and sum(ends) / 3 > 0.75, (starts, ends)
+
+
+def test_bf16_autocast_matches_float32(base_tokenizer, tmp_path):
+    """bf16 mixed precision (autocast, float32 master weights) follows the float32 run on the same
+    steps: same k and offsets, losses within bf16 noise (a few per cent); ``auto`` picks bf16
+    exactly where :func:`model.precision.native_bf16` says the CPU runs it natively."""
+    from model.precision import native_bf16
+
+    lm, examples = pretrained_teacher(base_tokenizer)
+    for adapter in ("lora", "alora"):
+        f32 = mtp_run(lm, examples, tmp_path / f"f32-{adapter}", steps=6, mixed_precision="no", adapter=adapter)
+        bf16 = mtp_run(lm, examples, tmp_path / f"bf16-{adapter}", steps=6, mixed_precision="bf16", adapter=adapter)
+        assert bf16[0]["mixed_precision"] == "bf16"
+        assert [(r["k"], r["offset"]) for r in f32] == [(r["k"], r["offset"]) for r in bf16]
+        for a, b in zip(f32[:3], bf16[:3]):  # first steps: same weights up to bf16 rounding
+            assert abs(a["loss"] - b["loss"]) <= 0.05 * a["loss"] + 0.02, (adapter, a["loss"], b["loss"])
+        assert all(math.isfinite(r["loss"]) for r in bf16)
+        assert bf16[0]["loss"] != f32[0]["loss"]  # it really ran in bf16
+    auto = mtp_run(lm, examples, tmp_path / "auto", steps=1, mixed_precision="auto")
+    assert auto[0]["mixed_precision"] == ("bf16" if native_bf16("cpu") else "no")
 
 
 # ----------------------------------------------------------------------------- DDP
@@ -209,3 +217,42 @@ def test_lora_export_reloads_exactly(tiny_dir, tmp_path):
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
     assert any(a[k].abs().max() > 0.1 for k in a if "lora_B" in k)
     assert json.loads((run / "final" / "mtp_adapter.json").read_text())["base"] == meta["base"]
+
+
+def test_adapter_checkpoints_hold_trainable_weights_and_resume_exactly(tiny_dir, tmp_path):
+    """An aLoRA run's checkpoint holds only the trainable weights (no frozen base) and resumes bit for
+    bit; --compact-checkpoints stores the AdamW moments in bf16 (smaller) and still resumes."""
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    base = ["--adapter", "alora", "--lora-rank", "4", "--max-steps", "4", "--save-every", "2", "--keep-checkpoints", "3",
+            "--mixed-precision", "no", "--save-dtype", "float32"]
+    assert main(_args(tiny_dir, a, *base)) == 0
+    assert main(_args(tiny_dir, b, *base, "--max-steps", "2")) == 0
+    assert main(_args(tiny_dir, b, *base, "--resume", "auto")) == 0
+    wa, wb = load_file(str(a / "checkpoint-4" / "model.safetensors")), load_file(str(b / "checkpoint-4" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert all("lora_" in k or "trainable_tokens" in k for k in wa)  # no frozen base weights
+    fa = load_file(str(a / "final" / "adapter_model.safetensors"))
+    fb = load_file(str(b / "final" / "adapter_model.safetensors"))
+    assert all(torch.equal(fa[k], fb[k]) for k in fa)
+    assert main(_args(tiny_dir, c, *base, "--max-steps", "2", "--compact-checkpoints")) == 0
+    opt = torch.load(c / "checkpoint-2" / "optimizer.bin", weights_only=False)["state"]
+    assert all(st["exp_avg"].dtype == torch.bfloat16 for st in opt.values())
+    assert (c / "checkpoint-2" / "optimizer.bin").stat().st_size < 0.7 * (a / "checkpoint-2" / "optimizer.bin").stat().st_size
+    assert main(_args(tiny_dir, c, *base, "--compact-checkpoints", "--resume", "auto")) == 0
+    lc = [json.loads(x) for x in (c / "train_log.jsonl").read_text().splitlines()]
+    la = [json.loads(x) for x in (a / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lc] == [1, 2, 3, 4]
+    assert lc[2]["loss"] == pytest.approx(la[2]["loss"], rel=1e-2)  # bf16 moments: close, not exact
+
+
+def test_non_finite_loss_stops_with_message_and_keeps_checkpoint(tiny_dir, tmp_path, capsys):
+    """lr 1e30 blows the weights up after step 1: step 2's loss is not finite. The run stops with a
+    clear message (exit 1), updates nothing, logs no NaN (strict JSON) and leaves checkpoint-1."""
+    out = tmp_path / "nan"
+    code = main(_args(tiny_dir, out, "--max-steps", "4", "--save-every", "1", "--lr", "1e30", "--warmup", "0",
+                      "--mixed-precision", "no"))
+    err = capsys.readouterr().err
+    assert code == 1 and "non-finite loss or gradient" in err and "checkpoint-1" in err, err[-2000:]
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]  # strict JSON parses
+    assert [r["step"] for r in log] == [1]
+    assert (out / "checkpoint-1").is_dir() and not (out / "checkpoint-2").exists() and not (out / "final").exists()

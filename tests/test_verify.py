@@ -11,8 +11,7 @@ import torch
 
 from model.checkpoint import wrap_model
 from model.decoding import Decoder, generate, run, standard, verify
-from model.train_data import Example, encode
-from tests.conftest import make_tiny
+from tests.conftest import make_tiny, mtp_run, pretrained_teacher
 
 PROMPTS = [
     "What is the capital of France?",
@@ -101,38 +100,23 @@ def test_max_new_tokens_inside_accepted_drafts(tiny_lm64, n):
     assert dec.done and dec.generated == ref[:n] and rec.block_end == "max_new_tokens"
 
 
-def test_verify_on_a_model_that_learned_a_repetitive_corpus(base_tokenizer, one_torch_thread):
-    """A tiny model fine-tuned so that its mask proposals predict a counting corpus: drafts are
-    accepted, effective k well above 1, output still == standard decoding."""
-    tok = copy.deepcopy(base_tokenizer)
-    model = make_tiny(tok)
-    with torch.no_grad():
-        model.get_input_embeddings().weight.div_(20.0)
-    lm = wrap_model(model, tok, prompt_format="bos_newlines")
-    words = "one two three four five six seven eight nine ten".split()
-    examples = [Example(f"Count from {words[i]}", " ".join((words * 4)[i:i + 24])) for i in range(10)]
-    seqs, starts, _ = encode(lm, examples, 64)
-    # Supervised MTP: the mask j after position t is trained to predict token t + 1 + j (4 masks).
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    mask = lm.mask_token_id
-    model.train()
-    g = torch.Generator().manual_seed(0)
-    for _ in range(150):
-        i = int(torch.randint(len(seqs), (1,), generator=g))
-        seq = seqs[i]
-        t = int(torch.randint(starts[i], len(seq) - 5, (1,), generator=g))
-        x = torch.tensor([seq[: t + 1] + [mask] * 3])
-        logits = model(input_ids=x).logits[0, t:]
-        loss = torch.nn.functional.cross_entropy(logits, torch.tensor(seq[t + 1: t + 5]))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.eval()
-    for prompt in ["Count from three", "Count from seven"]:
+def test_verify_on_a_model_that_learned_a_repetitive_corpus(base_tokenizer, tmp_path, one_torch_thread):
+    """A tiny model that learned a repetitive corpus, then MTP-trained with the project's trainer
+    (activated LoRA, 40 steps): its mask proposals are right drafts, so verification keeps several
+    tokens per pass, and the output still equals standard decoding. Measured effective k 2.7-3.2 per
+    prompt (k_max 4: at most 4); the bar of 1.5 leaves a wide margin for other CPUs' trajectories."""
+    teacher, examples = pretrained_teacher(base_tokenizer)
+    mtp_run(teacher, examples, tmp_path / "run", seed=0, adapter="alora")
+    lm = wrap_model(copy.deepcopy(teacher.model), teacher.tokenizer, prompt_format="bos_newlines",
+                    mtp_dir=tmp_path / "run" / "final")
+    assert lm.adapter == "alora"
+    ks = []
+    for prompt in [ex.prompt for ex in examples]:
         ref = generate(lm, prompt, standard(), 40)
         out = generate(lm, prompt, verify(4), 40)
         assert out.token_ids == ref.token_ids
-        assert out.effective_k > 1.5, out.effective_k
+        ks.append(out.effective_k)
+    assert min(ks) > 1.5, ks
 
 
 def test_verify_record_is_strict_json(tiny_lm):
