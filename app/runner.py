@@ -164,11 +164,11 @@ def app_strategy(name: Any, tau: Any = DEFAULT_TAU, k_max: Any = None, k: Any = 
         kind = make_strategy(name).name  # the engine normalises the name; defaults are valid
         if kind == "standard":
             raise ValueError(f"The right pane needs an MTP strategy: choose {', '.join(STRATEGY_CHOICES)}.")
-        if kind == "static":
+        if kind == "static":  # static k has no k_max control in the page: k is the block size
             parse_whole_number(k, "k", 1, APP_MAX_K_MAX)
-        else:
-            parse_whole_number(k_max, "k_max", 1, APP_MAX_K_MAX)
-        return make_strategy(kind, tau=tau, k_max=k_max, k=k)
+            return make_strategy(kind, k=k)
+        parse_whole_number(k_max, "k_max", 1, APP_MAX_K_MAX)
+        return make_strategy(kind, tau=tau, k_max=k_max)
     except ValueError as e:
         raise RequestError(str(e)) from None
 
