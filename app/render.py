@@ -262,6 +262,12 @@ BLOCK_END_SHORT = {"k_max": "k_max", "below tau": "< tau", "utf-8": "utf-8", "dr
                    "stop token": "stop", "max_new_tokens": "max new"}
 
 
+def _one_line(text: str) -> str:
+    """A pass's text on one line: newlines and tabs as marks (CSS), the rest literal."""
+    return (esc(text).replace("\n", '<span class="mtp-nl" aria-hidden="true"></span>')
+            .replace("\t", '<span class="mtp-tab" aria-hidden="true"></span>'))
+
+
 def pass_table_html(state: TurnState | None) -> str:
     """Every forward pass of both sides: tokens fed (real + masks, or real + drafts + masks), kept,
     why the block ended, ms, text. Narrow enough for a phone; numbers never wrap."""
@@ -274,7 +280,7 @@ def pass_table_html(state: TurnState | None) -> str:
             end = BLOCK_END_SHORT.get(r.block_end, r.block_end)
             rows.append(f"<tr><td>{side}</td><td>{r.index + 1}</td><td>{fed}</td><td>{len(r.kept)}</td>"
                         f'<td title="{esc(r.block_end)}">{esc(end)}</td><td>{1000 * r.seconds:.0f}</td>'
-                        f'<td class="mtp-td-text" dir="auto">{esc(r.text)}</td></tr>')
+                        f'<td class="mtp-td-text" dir="auto" title="{esc(r.text)}">{_one_line(r.text)}</td></tr>')
     head = ('<tr><th title="std = standard decoding, MTP = the right pane">side</th><th>pass</th>'
             '<th title="tokens fed: real + masks (real + drafts + masks when verifying)">fed</th>'
             '<th title="tokens this pass added to the answer">kept</th>'

@@ -79,7 +79,7 @@ CSS = """
   background: var(--block-background-fill); display: flex; flex-direction: column; min-width: 0}
 .mtp-pane-title {font-weight: 600; font-size: .9em; padding: 6px 10px;
   border-bottom: 1px solid var(--border-color-primary)}
-.mtp-scroll {height: 360px; overflow-y: auto; display: flex; flex-direction: column-reverse; padding: 4px 8px}
+.mtp-scroll {min-height: 140px; max-height: 400px; overflow-y: auto; display: flex; flex-direction: column-reverse; padding: 4px 8px}
 .mtp-msg {margin: 6px 0; padding: 6px 10px; border-radius: 8px; unicode-bidi: plaintext}
 .mtp-msg-text {white-space: pre-wrap; overflow-wrap: break-word}
 .mtp-user {background: var(--color-accent-soft, #e8eefc); margin-inline-start: 12%}
@@ -104,6 +104,7 @@ CSS = """
 .mtp-multi {box-shadow: inset -1px 0 rgba(0,0,0,.3); -webkit-box-decoration-break: clone; box-decoration-break: clone}
 .mtp-blk:hover {outline: 2px solid #333}
 .mtp-nl::before {content: "↵"; opacity: .5}
+.mtp-tab::before {content: "⇥"; opacity: .5}
 .mtp-legend {font-size: .85em; margin-bottom: 6px; display: flex; flex-wrap: wrap; gap: 4px; align-items: center}
 .mtp-legend-item {display: inline-block; min-width: 1.7em; text-align: center; border-radius: 3px; padding: 0 4px;
   font-weight: 600; border: 1px solid rgba(0,0,0,.25)}
@@ -111,19 +112,21 @@ CSS = """
 .mtp-fig-caption {font-size: .85em; margin: 0 0 4px}
 .mtp-swatch {display: inline-block; width: .9em; height: .9em; border-radius: 2px; vertical-align: -1px}
 .mtp-table-wrap {overflow-x: auto; max-height: 440px; overflow-y: auto}
-.mtp-table {border-collapse: collapse; font-size: .82em; width: 100%}
+.mtp-table {border-collapse: collapse; font-size: .82em}
 .mtp-table th, .mtp-table td {white-space: nowrap; padding: 2px 6px; text-align: right;
   border-bottom: 1px solid var(--border-color-primary)}
 .mtp-table th {position: sticky; top: 0; background: var(--block-background-fill)}
-.mtp-table td.mtp-td-text {white-space: pre-wrap; text-align: start; min-width: 7em; overflow-wrap: break-word}
+.mtp-table th:last-child {text-align: start}
+.mtp-table td.mtp-td-text {white-space: pre; text-align: start; min-width: 7em; max-width: 24em; overflow: hidden;
+  text-overflow: ellipsis}
 #notice:not(:has(.mtp-notice)), #status:not(:has(.mtp-status)) {display: none}
 #examples button {white-space: nowrap; overflow: hidden; text-overflow: ellipsis; max-width: 100%}
 @media (max-width: 640px) {
   .mtp-table {font-size: .74em}
   .mtp-table th, .mtp-table td {padding: 2px 3px}
-  .mtp-table td.mtp-td-text {min-width: 5em}
+  .mtp-table td.mtp-td-text {min-width: 4em; max-width: 7em}
   .mtp-wide {display: none}
-  .mtp-scroll {height: 230px}
+  .mtp-scroll {max-height: 260px}
   .mtp-header h1 {font-size: 1.25em}
   .mtp-header p {font-size: .9em}
 }
