@@ -177,6 +177,8 @@ def speed_html(state: TurnState | None) -> str:
     bits = [f"{what}"]
     if sp.low is not None and sp.high is not None:
         bits.append(f"90% interval {_interval_text(sp.low, sp.high)} over {sp.pairs} alternating pairs of passes")
+        if sp.low <= 1.0 <= sp.high and round(sp.ratio, 2) != 1.0:
+            bits.append("the interval includes equal speed: no clear difference")
     else:
         bits.append("too few passes for an interval")
     k = state.mtp.effective_k

@@ -35,7 +35,6 @@ from .runner import (
     TurnState,
     exclusive,
     history_after,
-    parse_history,
     parse_source,
     prepare_turn,
     run_turn,
@@ -79,7 +78,8 @@ CSS = """
   background: var(--block-background-fill); display: flex; flex-direction: column; min-width: 0}
 .mtp-pane-title {font-weight: 600; font-size: .9em; padding: 6px 10px;
   border-bottom: 1px solid var(--border-color-primary)}
-.mtp-scroll {min-height: 140px; max-height: 400px; overflow-y: auto; display: flex; flex-direction: column-reverse; padding: 4px 8px}
+.mtp-scroll {min-height: 140px; max-height: 400px; overflow-y: auto; display: flex; flex-direction: column-reverse;
+  padding: 4px 8px}
 .mtp-msg {margin: 6px 0; padding: 6px 10px; border-radius: 8px; unicode-bidi: plaintext}
 .mtp-msg-text {white-space: pre-wrap; overflow-wrap: break-word}
 .mtp-user {background: var(--color-accent-soft, #e8eefc); margin-inline-start: 12%}
@@ -161,8 +161,8 @@ def header_html() -> str:
         "et al., <i>Multi-Token Prediction via Self-Distillation</i></a>). <b>ConfAdapt</b> always keeps the first "
         "proposal (the model's ordinary next token) and then the following ones while their confidence is at least "
         "tau; <b>lossless</b> verification keeps only proposals the model itself confirms, so its answer equals "
-        "standard decoding.</p><p class=\"mtp-wide\">Each message is answered twice: standard decoding on the left, MTP on the right, "
-        "their forward passes alternating on one worker so that each is timed alone.</p></div>")
+        "standard decoding.</p><p class=\"mtp-wide\">Each message is answered twice: standard decoding on the left, "
+        "MTP on the right, their forward passes alternating on one worker so that each is timed alone.</p></div>")
 
 
 def figure_caption(strategy_choice: str) -> str:
@@ -449,4 +449,4 @@ def launch(demo: gr.Blocks, **kwargs: Any) -> Any:
     return demo.queue(default_concurrency_limit=CONCURRENCY).launch(**kwargs)
 
 
-__all__ = ["build_app", "launch", "parse_history", "TURN_OUTPUTS"]
+__all__ = ["build_app", "launch", "TURN_OUTPUTS"]

