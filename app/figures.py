@@ -86,54 +86,49 @@ def _block_bars(rec: PassRecord) -> dict:
             "hovertext": hover, "hoverinfo": "text"}
 
 
-def _draft_texts(records: Sequence[PassRecord], i: int) -> list[str]:
-    """Texts of the drafts pass ``i`` checked: the previous pass's mask proposals."""
-    rec = records[i]
-    if i > 0 and records[i - 1].proposals[1:1 + len(rec.drafts)] == list(rec.drafts):
-        return list(records[i - 1].proposal_texts[1:1 + len(rec.drafts)])
-    return [f"id {t}" for t in rec.drafts]
-
-
 def _verify_bars(records: Sequence[PassRecord], i: int) -> dict:
-    """Lossless verification: drafts checked (accepted / rejected / skipped), the model's own token,
-    then the new drafts (mask proposals). Drafts and the own token are drawn at full height;
-    new drafts at their confidence."""
+    """Lossless verification: the drafts checked (accepted / rejected / dropped after a rejection), the
+    model's own token (its correction or its next token), then the new drafts (mask proposals).
+    Height: the model's confidence at that place (for a draft, in its own choice there)."""
     rec = records[i]
-    texts = _draft_texts(records, i)
+    texts = rec.draft_texts or [f"id {t}" for t in rec.drafts]
+    confs = list(rec.draft_confidences) or [1.0] * len(rec.drafts)
     a, n_kept = rec.drafts_accepted, len(rec.kept)
     xs, ys, colours, hover, labels = [], [], [], [], []
-    for j, t in enumerate(texts):
+    for j, (t, c) in enumerate(zip(texts, confs)):
         xs.append(f"d{j + 1}:{_token_label(t)}")
-        ys.append(1.0)
+        ys.append(c)
         if j < a and j < n_kept:
-            colours.append(DRAFT_OK), labels.append("✓"), hover.append(f"draft {j + 1} {html.escape(repr(t))}: "
-                                                                          "equals the model's choice, accepted")
+            colours.append(DRAFT_OK), labels.append("✓")
+            hover.append(f"draft {j + 1} {html.escape(repr(t))}: the model's own choice here "
+                         f"(confidence {c:.3f}): accepted")
         elif j < a:
-            colours.append(DRAFT_SKIPPED), labels.append("✓"), hover.append(f"draft {j + 1}: accepted but past "
-                                                                               "the end of the answer")
+            colours.append(DRAFT_SKIPPED), labels.append("✓")
+            hover.append(f"draft {j + 1}: accepted but past the end of the answer ({rec.block_end})")
         elif j == a:
-            colours.append(DRAFT_BAD), labels.append("✗"), hover.append(f"draft {j + 1} {html.escape(repr(t))}: "
-                                                                           "differs from the model's choice, rejected")
+            colours.append(DRAFT_BAD), labels.append("✗")
+            hover.append(f"draft {j + 1} {html.escape(repr(t))}: not the model's choice here "
+                         f"({html.escape(repr(rec.correction_text))}, confidence {c:.3f}): rejected")
         else:
-            colours.append(DRAFT_SKIPPED), labels.append(""), hover.append(f"draft {j + 1}: after a rejected draft, "
-                                                                              "dropped")
+            colours.append(DRAFT_SKIPPED), labels.append("")
+            hover.append(f"draft {j + 1} {html.escape(repr(t))}: after a rejected draft, dropped")
     if n_kept > min(a, len(rec.drafts)):  # the model's own token was kept
         if rec.correction is not None:
-            accepted_text = "".join(texts[:a])
-            own = rec.text[len(accepted_text):] if rec.text.startswith(accepted_text) else f"id {rec.correction}"
+            own, c = rec.correction_text, confs[a] if a < len(confs) else 1.0
             what = "the model's correction (its own token where the draft was rejected)"
         else:
-            own = rec.proposal_texts[0] if rec.proposal_texts else ""
+            own, c = (rec.proposal_texts[0], rec.confidences[0]) if rec.proposal_texts else ("", 1.0)
             what = "the model's next token" + (" (every draft accepted)" if rec.drafts else " (no drafts to check)")
         xs.append(f"+:{_token_label(own)}")
-        ys.append(1.0)
-        colours.append(OWN), labels.append("→"), hover.append(f"{html.escape(repr(own))}: {what}; always kept")
+        ys.append(c)
+        colours.append(OWN), labels.append("→")
+        hover.append(f"{html.escape(repr(own))} (confidence {c:.3f}): {what}; always kept")
     if rec.correction is None and not (rec.stopped or rec.block_end == "max_new_tokens"):
         for j, (t, c) in enumerate(zip(rec.proposal_texts[1:], rec.confidences[1:])):
             xs.append(f"m{j + 1}:{_token_label(t)}")
             ys.append(c)
-            colours.append(NEW_DRAFT), labels.append(""), hover.append(
-                f"mask {j + 1} proposes {html.escape(repr(t))} (confidence {c:.3f}): a draft for the next pass")
+            colours.append(NEW_DRAFT), labels.append("")
+            hover.append(f"mask {j + 1} proposes {html.escape(repr(t))} (confidence {c:.3f}): a draft for the next pass")
     return {"type": "bar", "x": xs, "y": ys, "marker": {"color": colours}, "name": "drafts", "text": labels,
             "textposition": "inside", "insidetextanchor": "middle", "textfont": {"color": "white", "size": 14},
             "hovertext": hover, "hoverinfo": "text"}

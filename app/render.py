@@ -303,12 +303,16 @@ def dtype_name(lm: LoadedModel) -> str | None:
 
 
 def model_html(lm: LoadedModel, quantization: str = "none") -> str:
-    """What is loaded: source, device, dtype, quantization, MTP-trained or not, adapter, warnings."""
+    """What is loaded: source, device, dtype and forward path (when the engine says), quantization,
+    MTP-trained or not, adapter, warnings."""
     trained = "MTP-trained" if lm.mtp_trained else "<b>not MTP-trained</b> (the mask token is new: proposals are poor)"
     bits = [f"<b>Model</b> <code>{esc(lm.source)}</code>", esc(str(lm.device))]
     dt = dtype_name(lm)
     if dt:
         bits.append(esc(dt))
+    path = getattr(lm, "forward_path", None)
+    if path:
+        bits.append(esc(path))
     if quantization != "none":
         bits.append(f"quantization {esc(quantization)}")
     bits.append(trained)

@@ -172,7 +172,8 @@ def figure_caption(strategy_choice: str) -> str:
     if strategy_choice == "lossless":
         body = (f"{sw(figures.DRAFT_OK)} ✓ draft accepted (equals the model's own choice) · {sw(figures.DRAFT_BAD)} "
                 f"✗ draft rejected · {sw(figures.OWN)} → the model's own token, always kept (its correction, or its "
-                f"next token) · {sw(figures.NEW_DRAFT)} new drafts proposed by the masks (height: confidence)")
+                f"next token) · {sw(figures.NEW_DRAFT)} new drafts proposed by the masks. Height: the model's confidence at "
+                "that place")
     else:
         body = (f"{sw(figures.FIRST)} the first proposal, the model's next token: always kept, whatever its "
                 f"confidence · {sw(figures.KEPT)} kept · {sw(figures.REJECTED)} dropped"

@@ -205,8 +205,9 @@ def test_lossless_turn_equals_standard_and_its_figure_marks_the_drafts(registry,
         assert colours.count(figures.DRAFT_OK) == min(rec.drafts_accepted, len(rec.kept))
         assert colours.count(figures.DRAFT_BAD) == (1 if rec.correction is not None else 0)
         assert colours.count(figures.OWN) == (1 if len(rec.kept) > rec.drafts_accepted else 0)
-        labels = frame["data"][1]["x"]
+        labels, heights = frame["data"][1]["x"], frame["data"][1]["y"]
         assert [x.startswith("d") for x in labels[: rec.fed_drafts]] == [True] * rec.fed_drafts
+        assert heights[: rec.fed_drafts] == rec.draft_confidences  # the model's confidence at each draft's place
     assert "shapes" not in fig["layout"] or not fig["layout"]["shapes"]  # no tau line when verifying
     assert any(r.correction is not None for r in last.mtp.passes) or any(r.drafts_accepted for r in last.mtp.passes)
 
@@ -447,8 +448,9 @@ def test_api_load_model_errors_keep_the_current_model(client):
     assert "No such local model" in status and "Still using smollm2-135m." in status
     info, status, _ = client.predict("smollm2-135m", "", "4bit", api_name="/load_model")
     assert "needs a CUDA GPU" in status and "Still using smollm2-135m." in status
-    # a file that exists but is not a model: the engine's words (asked of the engine in notes/app.md)
+    # a file that exists but is not a model
     info, status, _ = client.predict("smollm2-135m", str(ROOT / "README.md"), "none", api_name="/load_model")
+    assert f"{ROOT / 'README.md'} is a file, not a model: give a model directory" in status
     assert "Still using smollm2-135m." in status and "Traceback" not in status
     out = ask(client, PROMPT, max_new_tokens=4)
     assert out["result"]["phase"] == "done"
