@@ -272,9 +272,10 @@ def overlap(a: dict, b: dict) -> bool:
 def test_lossless_answer_and_the_page_at_390_px(page, served, capsys):
     _, _, lm = served
     page.get_by_label("lossless", exact=True).check()
-    help_text = page.inner_text("#strategy-help")
-    assert "Its answer is exactly standard decoding" in help_text
-    assert not page.locator("#tau").is_visible() and page.locator("#k-max").is_visible()
+    page.wait_for_function("() => document.querySelector('#strategy-help').innerText"
+                           ".includes('Its answer is exactly standard decoding')", timeout=30_000)
+    page.locator("#tau").wait_for(state="hidden", timeout=30_000)
+    assert page.locator("#k-max").is_visible()
     set_number(page, "max-new-tokens", 24)
     set_number(page, "k-max", 4)
     send(page, FIB)
