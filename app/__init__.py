@@ -1,7 +1,9 @@
-"""The Gradio demo: standard decoding and MTP decoding side by side (paper arXiv 2602.06019).
+"""The Gradio demo: standard decoding and an MTP strategy side by side (paper arXiv 2602.06019).
 
-``app.ui`` builds the page, ``app.runner`` validates requests and alternates the two strategies'
-forward passes, ``app.figures`` draws pass records with Plotly. No model code lives here: the
+``app.runner`` prepares and runs a turn (validation through the engine's vocabulary, the app's
+limits, the model, the prompt; passes alternating, Stop / Clear, one run per session, a load-robust
+speed estimate) with no Gradio types; ``app.render`` draws HTML and ``app.figures`` Plotly figures
+from its records; ``app.ui`` lays out the page and wires the events. No model code lives here: the
 engine is ``model.*``.
 """
 

@@ -1,14 +1,17 @@
-"""Plotly figures and page fragments drawn from pass records (no model code here).
+"""Plotly figures drawn from pass records (no model code here).
 
-* :func:`passes_figure` — the animated figure: one frame per forward pass (paper 3.4, 4.5).
-  Top: block width (tokens kept) of every pass so far. Bottom: the current pass's ``k_max``
-  proposal confidences, the tau line, the kept tokens highlighted.
+* :func:`passes_figure` — the animated figure: one frame per forward pass of the MTP side (paper
+  3.4, 4.5). Top: tokens kept by every pass so far. Bottom, for block strategies: the pass's
+  ``k_max`` proposals with their confidence, the first (the model's ordinary next token, always
+  kept) marked apart, the kept ones green, the tau line; for lossless verification: the drafts the
+  pass checked (accepted green, the rejected one red), the model's own token (its correction or
+  its next token) and the new drafts its masks proposed for the next pass.
 * :func:`animated_html` — that figure as a self-contained Plotly page inside an
   ``<iframe srcdoc=...>`` (``gr.Plot`` drops Plotly frames, DESIGN.md section 5). plotly.js is
   not inlined: the page loads it once from :data:`PLOTLY_JS` served as a static file.
-* :func:`race_figure` — tokens generated vs seconds for both strategies (the race).
-* :func:`coloured_blocks` — the MTP answer as ``gr.HighlightedText`` spans, one per block,
-  labelled with its width (the paper's Fig. 1).
+* :func:`race_figure` — tokens generated vs seconds for both sides (the race).
+
+Token texts on the axes are the engine's own (``PassRecord.proposal_texts``); nothing here decodes.
 """
 
 from __future__ import annotations
@@ -23,14 +26,22 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from model.decoding import PassRecord
+from model.strategies import Strategy
 
 #: plotly.js shipped with the plotly package; the app serves it with ``gr.set_static_paths``.
 PLOTLY_JS = Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
 #: URL under which Gradio serves :data:`PLOTLY_JS` (absolute path, root-relative URL).
 PLOTLY_JS_URL = f"/gradio_api/file={PLOTLY_JS}"
 
-KEPT = "#2ca02c"
-REJECTED = "#c7c7c7"
+FIRST = "#1b5e20"  # the first proposal: the model's next token, always kept
+KEPT = "#43a047"  # a further proposal kept
+REJECTED = "#c7c7c7"  # a proposal dropped
+CUT = "#a5d6a7"  # accepted, then cut by a stop token or max_new_tokens
+DRAFT_OK = "#43a047"  # a draft equal to the model's own choice
+DRAFT_BAD = "#d32f2f"  # the first draft that differs (rejected)
+DRAFT_SKIPPED = "#e0e0e0"  # drafts after the rejected one (never kept)
+OWN = "#ef6c00"  # the model's own token a verify pass adds (correction or next token)
+NEW_DRAFT = "#b39ddb"  # mask proposals: the drafts of the next pass
 STD_COLOUR = "#1f77b4"
 MTP_COLOUR = "#d62728"
 BAR_PAST = "#9ecae1"
@@ -38,43 +49,102 @@ BAR_NOW = "#08519c"
 
 
 def _token_label(text: str) -> str:
-    """A proposal's text made visible on an axis: spaces as '␣', newlines as '⏎'."""
+    """A token's text made visible on an axis: spaces as '␣', newlines as '⏎'; at most 12 characters."""
     shown = text.replace(" ", "␣").replace("\n", "⏎").replace("\t", "⇥")
-    return shown if shown else "∅"
+    shown = shown if shown else "∅"
+    return shown if len(shown) <= 12 else shown[:11] + "…"
 
 
-def _width_trace_values(records: Sequence[PassRecord], upto: int) -> tuple[list[int], list[int], list[str]]:
+def _widths(records: Sequence[PassRecord], upto: int) -> dict:
     xs = [r.index + 1 for r in records[: upto + 1]]
     ys = [len(r.kept) for r in records[: upto + 1]]
     colours = [BAR_NOW if i == upto else BAR_PAST for i in range(upto + 1)]
-    return xs, ys, colours
+    return {"type": "bar", "x": xs, "y": ys, "marker": {"color": colours}, "name": "tokens kept",
+            "hovertemplate": "pass %{x}: %{y} token(s) kept<extra></extra>"}
 
 
-def _confidence_values(rec: PassRecord) -> tuple[list[str], list[float], list[str], list[str]]:
+def _block_bars(rec: PassRecord) -> dict:
+    """ConfAdapt / static k: the pass's proposals, height = confidence."""
     n_kept = len(rec.kept)
-    xs = [f"{j + 1}:{_token_label(t)}" for j, t in enumerate(rec.proposal_texts)]
-    colours = [KEPT if j < n_kept else REJECTED for j in range(len(rec.confidences))]
-    hover = [
-        f"block position {j + 1}<br>proposal {t!r}<br>confidence {c:.3f}<br>{'kept' if j < n_kept else 'dropped'}"
-        for j, (t, c) in enumerate(zip(rec.proposal_texts, rec.confidences))
-    ]
-    return xs, list(rec.confidences), colours, hover
+    xs, colours, hover = [], [], []
+    for j, (t, c) in enumerate(zip(rec.proposal_texts, rec.confidences)):
+        xs.append(f"{j + 1}:{_token_label(t)}")
+        if j == 0:
+            colours.append(FIRST)
+            what = "the model's next token: always kept, whatever its confidence" if n_kept else "cut"
+        elif j < n_kept:
+            colours.append(KEPT)
+            what = "kept"
+        elif j < rec.accepted:
+            colours.append(CUT)
+            what = f"accepted, then cut ({rec.block_end})"
+        else:
+            colours.append(REJECTED)
+            what = "dropped"
+        hover.append(f"block position {j + 1}<br>proposal {html.escape(repr(t))}<br>confidence {c:.3f}<br>{what}")
+    return {"type": "bar", "x": xs, "y": list(rec.confidences), "marker": {"color": colours}, "name": "proposals",
+            "hovertext": hover, "hoverinfo": "text"}
 
 
-def _frame_title(rec: PassRecord, label: str) -> str:
-    kept_text = html.escape(repr(rec.text)[1:-1])[:60]
-    return (f"{label}: forward pass {rec.index + 1}<br><sub>fed {rec.fed_real} real + {rec.fed_masks} mask tokens, "
-            f"kept {len(rec.kept)} in {rec.seconds * 1000:.0f} ms: “{kept_text}”</sub>")
+def _verify_bars(records: Sequence[PassRecord], i: int) -> dict:
+    """Lossless verification: the drafts checked (accepted / rejected / dropped after a rejection), the
+    model's own token (its correction or its next token), then the new drafts (mask proposals).
+    Height: the model's confidence at that place (for a draft, in its own choice there)."""
+    rec = records[i]
+    texts = rec.draft_texts or [f"id {t}" for t in rec.drafts]
+    confs = list(rec.draft_confidences) or [1.0] * len(rec.drafts)
+    a, n_kept = rec.drafts_accepted, len(rec.kept)
+    xs, ys, colours, hover, labels = [], [], [], [], []
+    for j, (t, c) in enumerate(zip(texts, confs)):
+        xs.append(f"d{j + 1}:{_token_label(t)}")
+        ys.append(c)
+        if j < a and j < n_kept:
+            colours.append(DRAFT_OK), labels.append("✓")
+            hover.append(f"draft {j + 1} {html.escape(repr(t))}: the model's own choice here "
+                         f"(confidence {c:.3f}): accepted")
+        elif j < a:
+            colours.append(DRAFT_SKIPPED), labels.append("✓")
+            hover.append(f"draft {j + 1}: accepted but past the end of the answer ({rec.block_end})")
+        elif j == a:
+            colours.append(DRAFT_BAD), labels.append("✗")
+            hover.append(f"draft {j + 1} {html.escape(repr(t))}: not the model's choice here "
+                         f"({html.escape(repr(rec.correction_text))}, confidence {c:.3f}): rejected")
+        else:
+            colours.append(DRAFT_SKIPPED), labels.append("")
+            hover.append(f"draft {j + 1} {html.escape(repr(t))}: after a rejected draft, dropped")
+    if n_kept > min(a, len(rec.drafts)):  # the model's own token was kept
+        if rec.correction is not None:
+            own, c = rec.correction_text, confs[a] if a < len(confs) else 1.0
+            what = "the model's correction (its own token where the draft was rejected)"
+        else:
+            own, c = (rec.proposal_texts[0], rec.confidences[0]) if rec.proposal_texts else ("", 1.0)
+            what = "the model's next token" + (" (every draft accepted)" if rec.drafts else " (no drafts to check)")
+        xs.append(f"+:{_token_label(own)}")
+        ys.append(c)
+        colours.append(OWN), labels.append("→")
+        hover.append(f"{html.escape(repr(own))} (confidence {c:.3f}): {what}; always kept")
+    if rec.correction is None and not (rec.stopped or rec.block_end == "max_new_tokens"):
+        for j, (t, c) in enumerate(zip(rec.proposal_texts[1:], rec.confidences[1:])):
+            xs.append(f"m{j + 1}:{_token_label(t)}")
+            ys.append(c)
+            colours.append(NEW_DRAFT), labels.append("")
+            hover.append(f"mask {j + 1} proposes {html.escape(repr(t))} (confidence {c:.3f}): a draft for the next pass")
+    return {"type": "bar", "x": xs, "y": ys, "marker": {"color": colours}, "name": "drafts", "text": labels,
+            "textposition": "inside", "insidetextanchor": "middle", "textfont": {"color": "white", "size": 14},
+            "hovertext": hover, "hoverinfo": "text"}
 
 
-def passes_figure(records: Sequence[PassRecord], *, tau: float | None, k_max: int, label: str = "MTP") -> go.Figure:
+def _frame_title(rec: PassRecord, n: int) -> str:
+    k = len(rec.kept)
+    return f"Pass {rec.index + 1} of {n}: kept {k} ({rec.block_end})"
+
+
+def passes_figure(records: Sequence[PassRecord], strategy: Strategy | None) -> dict:
     """The animated per-pass figure: one Plotly frame per forward pass.
 
     Args:
         records: the MTP side's pass records, in order (may be empty).
-        tau: the ConfAdapt threshold drawn as a horizontal line (None: no line, e.g. static k).
-        k_max: proposals per pass (sets the axes).
-        label: strategy label for the title.
+        strategy: the MTP strategy (its tau line, its k_max, whether it verifies drafts).
 
     Returns:
         A Plotly figure as a dict (``data``, ``layout``, ``frames``) whose ``frames`` has
@@ -83,50 +153,47 @@ def passes_figure(records: Sequence[PassRecord], *, tau: float | None, k_max: in
         validated ``go.Frame`` objects): re-rendered on every streamed update, validating them
         would cost ~2.5 ms per frame.
     """
-    fig = make_subplots(
-        rows=2, cols=1, vertical_spacing=0.2, row_heights=[0.45, 0.55],
-        subplot_titles=("Block width per forward pass (tokens kept)",
-                        "This pass: proposal confidences (green = kept, grey = dropped)"),
-    )
+    verifies = bool(strategy is not None and strategy.verifies)
+    k_max = strategy.k_max if strategy is not None else 1
+    tau = strategy.tau if strategy is not None and strategy.name == "confadapt" else None
+    bottom = "Drafts checked, model's token, new drafts" if verifies else "This pass: proposals, confidence"
+    fig = make_subplots(rows=2, cols=1, vertical_spacing=0.16, row_heights=[0.42, 0.58],
+                        subplot_titles=("Tokens kept per forward pass", bottom))
+    for ann in fig.layout.annotations:
+        ann.update(x=0.0, xanchor="left", font={"size": 13})
     n = len(records)
     if n == 0:
-        fig.add_trace(go.Bar(x=[], y=[], name="block width"), row=1, col=1)
-        fig.add_trace(go.Bar(x=[], y=[], name="confidence"), row=2, col=1)
-        fig.update_layout(title="Waiting for the first forward pass…", height=520, showlegend=False,
-                          margin=dict(l=50, r=20, t=90, b=40))
+        fig.add_trace(go.Bar(x=[], y=[]), row=1, col=1)
+        fig.add_trace(go.Bar(x=[], y=[]), row=2, col=1)
+        fig.update_layout(title={"text": "Waiting for the first forward pass…", "x": 0.0, "xanchor": "left"},
+                          height=560, showlegend=False, margin=dict(l=45, r=10, t=60, b=40), autosize=True)
         out = fig.to_dict()
         out["frames"] = []
         return out
 
     def traces(i: int) -> list[dict]:
-        xs, ys, cs = _width_trace_values(records, i)
-        cx, cy, cc, hover = _confidence_values(records[i])
-        return [
-            {"type": "bar", "x": xs, "y": ys, "marker": {"color": cs}, "name": "block width",
-             "hovertemplate": "pass %{x}: %{y} token(s) kept<extra></extra>"},
-            {"type": "bar", "x": cx, "y": cy, "marker": {"color": cc}, "name": "confidence", "hovertext": hover,
-             "hoverinfo": "text"},
-        ]
+        return [_widths(records, i), _verify_bars(records, i) if verifies else _block_bars(records[i])]
 
     last = n - 1
     for t, row in zip(traces(last), (1, 2)):
         fig.add_trace(go.Bar(t), row=row, col=1)
     if tau is not None:
         fig.add_hline(y=tau, line_dash="dash", line_color="#444", row=2, col=1,
-                      annotation_text=f"tau = {tau:.2f}", annotation_position="top right")
-    fig.update_xaxes(range=[0.5, max(n, 8) + 0.5], title_text="forward pass", row=1, col=1)
-    fig.update_yaxes(range=[0, max(k_max, 1) + 0.5], title_text="tokens kept", row=1, col=1)
-    fig.update_yaxes(range=[0, 1.05], title_text="top-1 probability", row=2, col=1)
-    fig.update_xaxes(title_text="block position: proposal", tickangle=-45, row=2, col=1)
+                      annotation_text=f"tau {tau:.2f}", annotation_position="top right")
+    fig.update_xaxes(range=[0.5, max(n, 8) + 0.5], row=1, col=1)
+    fig.update_yaxes(range=[0, max(k_max, 1) + 0.5], title_text="tokens", row=1, col=1)
+    fig.update_yaxes(range=[0, 1.05], title_text="confidence", row=2, col=1)
+    fig.update_xaxes(tickangle=-50, type="category", row=2, col=1)
     step_args = {"frame": {"duration": 0, "redraw": True}, "mode": "immediate", "transition": {"duration": 0}}
     fig.update_layout(
-        title_text=_frame_title(records[last], label),
-        height=640,
+        title={"text": _frame_title(records[last], n), "x": 0.0, "xanchor": "left", "font": {"size": 14}},
+        height=600,
         showlegend=False,
-        margin=dict(l=55, r=20, t=115, b=150),
+        autosize=True,
+        margin=dict(l=45, r=10, t=70, b=175),
         updatemenus=[{
-            "type": "buttons", "direction": "left", "x": 0.0, "y": -0.30, "xanchor": "left", "yanchor": "top",
-            "pad": {"t": 20}, "showactive": False,
+            "type": "buttons", "direction": "left", "x": 0.0, "y": -0.24, "xanchor": "left", "yanchor": "top",
+            "pad": {"t": 0, "r": 0}, "showactive": False,
             "buttons": [
                 {"label": "▶ Play", "method": "animate",
                  "args": [None, {"frame": {"duration": 350, "redraw": True}, "fromcurrent": True,
@@ -135,20 +202,20 @@ def passes_figure(records: Sequence[PassRecord], *, tau: float | None, k_max: in
             ],
         }],
         sliders=[{
-            "active": last, "x": 0.24, "len": 0.76, "y": -0.30, "yanchor": "top", "pad": {"t": 10},
-            "currentvalue": {"prefix": "forward pass ", "visible": True, "font": {"color": "#333"}},
-            # beyond ~30 passes the step labels overlap: hide them, the current value still shows
-            "font": {"color": "#333" if n <= 30 else "rgba(0,0,0,0)"},
+            "active": last, "x": 0.0, "len": 1.0, "y": -0.33, "yanchor": "top", "pad": {"t": 30, "b": 0},
+            "currentvalue": {"prefix": "pass ", "visible": True, "xanchor": "right", "font": {"color": "#333"}},
+            # beyond ~20 passes the step labels overlap: hide them, the current value still shows
+            "font": {"color": "#333" if n <= 20 else "rgba(0,0,0,0)"},
             "steps": [{"label": str(i + 1), "method": "animate", "args": [[str(i)], step_args]} for i in range(n)],
         }],
     )
     out = fig.to_dict()
     out["frames"] = [{"name": str(i), "data": traces(i), "traces": [0, 1],
-                      "layout": {"title": {"text": _frame_title(records[i], label)}}} for i in range(n)]
+                      "layout": {"title": {"text": _frame_title(records[i], n)}}} for i in range(n)]
     return out
 
 
-def animated_html(fig: go.Figure | dict, *, height: int = 660, plotly_js_url: str = PLOTLY_JS_URL) -> str:
+def animated_html(fig: go.Figure | dict, *, height: int = 620, plotly_js_url: str = PLOTLY_JS_URL) -> str:
     """An ``<iframe srcdoc=...>`` holding ``fig`` as a self-contained Plotly page (frames kept).
 
     The page loads plotly.js from ``plotly_js_url`` (served once by the app, cached by the
@@ -157,20 +224,22 @@ def animated_html(fig: go.Figure | dict, *, height: int = 660, plotly_js_url: st
     """
     frames = fig.get("frames") if isinstance(fig, dict) else fig.frames
     page = pio.to_html(fig, include_plotlyjs=plotly_js_url, full_html=True, div_id="passes-figure", validate=False,
-                       config={"displaylogo": False, "responsive": True}, auto_play=False)
+                       config={"displaylogo": False, "responsive": True, "displayModeBar": False},
+                       auto_play=False, default_width="100%", default_height=f"{height - 10}px")
+    page = page.replace("<head>", "<head><style>html,body{margin:0;padding:0}</style>", 1)
     return (f'<iframe class="mtp-passes" data-frames="{len(frames or ())}" title="forward passes" '
             f'style="width:100%;height:{height}px;border:0" srcdoc="{html.escape(page, quote=True)}"></iframe>')
 
 
 def race_figure(panes: Sequence[tuple[str, Sequence[PassRecord]]]) -> go.Figure:
-    """Tokens generated vs seconds for each strategy (the race).
+    """Tokens generated vs seconds for each side (the race).
 
     Args:
-        panes: ``(label, records)`` per strategy; seconds are the sum of that strategy's own
-            forward-pass times (each pass timed alone, device synchronised).
+        panes: ``(label, records)`` per side; seconds are the sum of that side's own forward-pass
+            times (each pass timed alone, device synchronised).
 
     Returns:
-        A ``go.Figure`` with one step line per strategy.
+        A ``go.Figure`` with one step line per side; the legend sits above the plot, never over a line.
     """
     fig = go.Figure()
     for (label, records), colour in zip(panes, (STD_COLOUR, MTP_COLOUR, "#ff7f0e")):
@@ -182,24 +251,9 @@ def race_figure(panes: Sequence[tuple[str, Sequence[PassRecord]]]) -> go.Figure:
             ys.append(n)
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", line_shape="hv", name=label,
                                  line_color=colour, marker_size=4,
-                                 hovertemplate="%{y} tokens after %{x:.2f} s<extra>" + label + "</extra>"))
-    fig.update_layout(title="The race: tokens generated vs seconds of own forward passes", height=340,
-                      xaxis_title="seconds (sum of this strategy's forward passes)", yaxis_title="tokens generated",
-                      margin=dict(l=55, r=20, t=50, b=45), legend=dict(x=0.01, y=0.99))
+                                 hovertemplate="%{y} tokens after %{x:.2f} s<extra>" + html.escape(label) + "</extra>"))
+    fig.update_layout(title={"text": "Race: tokens vs seconds", "x": 0.0, "xanchor": "left"}, height=360,
+                      xaxis_title="seconds (sum of own passes)", yaxis_title="tokens",
+                      margin=dict(l=50, r=10, t=80, b=45), autosize=True,
+                      legend=dict(orientation="h", x=0.0, xanchor="left", y=1.02, yanchor="bottom"))
     return fig
-
-
-def coloured_blocks(records: Sequence[PassRecord]) -> list[tuple[str, str]]:
-    """The answer as ``(text, label)`` spans for ``gr.HighlightedText``: one span per forward
-    pass that added text, labelled with its block width (tokens kept), as in the paper's Fig. 1.
-
-    The spans' texts concatenate to the answer text.
-    """
-    return [(r.text, str(len(r.kept))) for r in records if r.text]
-
-
-def block_colour_map(k_max: int = 32) -> dict[str, str]:
-    """Colours for block widths ``"1"`` … ``str(k_max)``: pale for 1, deeper for wider blocks."""
-    palette = ["#e8e8e8", "#c6dbef", "#9ecae1", "#6baed6", "#fdd0a2", "#fdae6b", "#fd8d3c", "#e6550d",
-               "#fcbba1", "#fb6a4a", "#de2d26", "#a50f15"]
-    return {str(k): palette[min(k - 1, len(palette) - 1)] for k in range(1, max(k_max, 1) + 1)}

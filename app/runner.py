@@ -1,43 +1,86 @@
-"""Side-by-side runner: validates a request, loads models once, and alternates the forward
-passes of standard decoding and an MTP strategy (paper 3.4, 4.5) on one worker.
+"""One chat turn, standard decoding against an MTP strategy, without any Gradio type (paper 3.4, 4.5).
 
-Honest timing (DESIGN.md section 3): the two strategies never run at the same time. One global
-lock serialises every forward pass of every session, and :class:`model.decoding.Decoder`
-synchronises the device around each pass, so ``PassRecord.seconds`` is the pass's own time.
-A strategy's total time is the sum of its own passes; the wall-clock speedup of the MTP side is
-``standard seconds / MTP seconds``.
+* :func:`prepare_turn` validates a request with the engine's own vocabulary
+  (:mod:`model.strategies`) plus the app's limits below, finds the model, builds the messages and
+  the prompt ids, and checks the context budget: a :class:`Turn`, or a :class:`RequestError` with a
+  message meant for the page.
+* :func:`run_turn` runs a turn: one forward pass of each side in turn, yielding a
+  :class:`TurnState` (plain records: the engine's :class:`~model.decoding.GenerationResult` of each
+  side) after every pass, and a last state that says how the turn ended (done, stopped, cleared,
+  error).
+* :class:`SessionRuns` allows one run per session at a time and carries Stop / Clear to it.
+* :func:`estimate_speedup` turns the two sides' pass records into a load-robust speedup with an
+  interval.
+
+Like with like: both sides answer the same prompt ids. From turn 2 on the conversation's earlier
+answers are the standard side's (the reference); the MTP side's own earlier answers are shown, not
+fed back.
+
+Honest timing (DESIGN.md section 3): no two forward passes of any session overlap (one global
+lock, :func:`exclusive`, which the page also holds while it renders), the two sides alternate
+pass by pass in ABBA order (neither always goes first), and the speedup is computed from per-pass
+medians of paired passes, so a load spike or another session's work shifts both sides alike.
 
 No model code lives here: this module calls the engine (``model.*``) and keeps its records.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 import os
+import random
+import statistics
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from model.checkpoint import DEFAULT_SOURCE, CheckpointError, LoadedModel, load_checkpoint
-from model.decoding import Decoder, PassRecord, Strategy, make_strategy, standard
+from model.decoding import (
+    ContextBudgetError,
+    Decoder,
+    GenerationResult,
+    NonFiniteLogitsError,
+    PassRecord,
+    check_context_budget,
+)
+from model.strategies import (
+    DEFAULT_TAU,
+    Strategy,
+    check_max_new_tokens,
+    make_strategy,
+    parse_whole_number,
+    standard,
+)
 
 log = logging.getLogger(__name__)
 
-#: Upper bound of the k_max control (the engine allows up to 64; the app offers 1-32).
+# ---------------------------------------------------------------------------- the app's policy (written once)
+#: Largest k_max (and static k) the app offers; the engine allows up to 64.
 APP_MAX_K_MAX = 32
-#: Upper bound on max_new_tokens per answer.
+#: Largest max_new_tokens per answer.
 APP_MAX_NEW_TOKENS = int(os.environ.get("MTP_APP_MAX_NEW_TOKENS", "1024"))
-#: Longest prompt (chat history + message, in tokens) the app will prefill. A 20,000-character
-#: message is ~5,000 tokens: refused with a message instead of stalling a CPU for minutes.
+#: max_new_tokens the page starts with.
+DEFAULT_MAX_NEW_TOKENS = 128
+#: Longest prompt (conversation + message, in tokens) the app prefills: a 20,000-character message
+#: is ~5,000 tokens, refused with a message instead of stalling a CPU for minutes.
 MAX_PROMPT_TOKENS = int(os.environ.get("MTP_APP_MAX_PROMPT_TOKENS", "2048"))
 #: Longest message in characters (checked before tokenising).
 MAX_MESSAGE_CHARS = int(os.environ.get("MTP_APP_MAX_MESSAGE_CHARS", "16000"))
+#: Quantization choices (bitsandbytes, CUDA only).
 QUANTIZATIONS = ("none", "4bit", "8bit")
+#: The MTP strategies of the right pane, as the page labels them (the engine reads these labels).
+STRATEGY_CHOICES = ("ConfAdapt", "static k", "lossless")
 
-#: Serialises forward passes across sessions and strategies (honest per-pass timing).
+#: Serialises forward passes (and the page's rendering) across sessions: honest per-pass timing.
 FORWARD_LOCK = threading.Lock()
+
+
+def exclusive(lock: threading.Lock = FORWARD_LOCK) -> contextlib.AbstractContextManager:
+    """Context in which no forward pass of any session runs (hold it for CPU-heavy rendering)."""
+    return lock
 
 
 class RequestError(ValueError):
@@ -45,18 +88,6 @@ class RequestError(ValueError):
 
 
 # ---------------------------------------------------------------------------- validation
-def _whole_number(value: Any, name: str) -> int:
-    if isinstance(value, bool) or value is None:
-        raise RequestError(f"{name} must be a whole number, got {value!r}.")
-    try:
-        f = float(value)
-    except (TypeError, ValueError):
-        raise RequestError(f"{name} must be a whole number, got {value!r}.") from None
-    if math.isnan(f) or math.isinf(f) or f != int(f):
-        raise RequestError(f"{name} must be a whole number, got {value!r}.")
-    return int(f)
-
-
 def check_message(message: Any) -> str:
     """The user's message as text.
 
@@ -72,66 +103,82 @@ def check_message(message: Any) -> str:
     return text
 
 
-def build_strategy(name: Any, tau: Any, k_max: Any, k: Any) -> Strategy:
-    """The MTP strategy of the right pane: ``confadapt`` (default) or ``static`` (paper 4.5).
+def _content_text(content: Any, where: str) -> str:
+    """Text of a message content: a string, or Gradio's ``{"type": "text", "text": ...}`` part(s)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, dict) and isinstance(content.get("text"), str):
+        return content["text"]
+    if isinstance(content, (list, tuple)) and all(isinstance(c, (str, dict)) for c in content):
+        return "".join(_content_text(c, where) for c in content)
+    raise RequestError(f"{where}: the content must be text (a string), got {type(content).__name__}.")
 
-    Args:
-        name: ``"confadapt"``, ``"static"`` (``"ConfAdapt"`` / ``"static k"`` labels accepted).
-        tau: ConfAdapt threshold in [0, 1].
-        k_max: proposals per forward pass, 1-:data:`APP_MAX_K_MAX`.
-        k: static block size, 1-k_max.
+
+def parse_history(history: Any) -> list[dict]:
+    """The conversation before this turn as ``[{"role", "content": str, "mtp"?: str}, ...]``.
+
+    Accepts the messages format with plain-string content (``{"role": "user", "content": "hi"}``),
+    Gradio's content parts, and ``[user, assistant]`` pairs. Assistant messages may carry ``"mtp"``:
+    the MTP side's own answer (shown in its pane; the context of later turns is ``"content"``, the
+    standard answer).
 
     Raises:
-        RequestError: any invalid value, with a message naming it.
+        RequestError: anything else, naming the item.
     """
-    key = str(name or "confadapt").strip().lower().replace(" ", "")
-    key = {"confadapt": "confadapt", "statick": "static", "static": "static"}.get(key, key)
-    if key not in ("confadapt", "static"):
-        raise RequestError(f"Unknown strategy {name!r}: choose ConfAdapt or static k.")
-    k_max_i = _whole_number(k_max, "k_max")
-    if not 1 <= k_max_i <= APP_MAX_K_MAX:
-        raise RequestError(f"k_max must be between 1 and {APP_MAX_K_MAX}, got {k_max_i}.")
-    k_i = _whole_number(k, "k") if key == "static" else 1
+    if history is None or history == "":
+        return []
+    if not isinstance(history, (list, tuple)):
+        raise RequestError(f"The history must be a list of messages, got {type(history).__name__}.")
+    out: list[dict] = []
+    for i, item in enumerate(history):
+        where = f"History item {i + 1}"
+        if isinstance(item, (list, tuple)) and len(item) == 2:  # [user, assistant] pair
+            for role, c in zip(("user", "assistant"), item):
+                if c is not None:
+                    out.append({"role": role, "content": _content_text(c, where)})
+            continue
+        if not isinstance(item, dict):
+            raise RequestError(f"{where} must be a message {{\"role\": ..., \"content\": ...}}, "
+                               f"got {type(item).__name__}.")
+        role = item.get("role")
+        if role not in ("user", "assistant", "system"):
+            raise RequestError(f"{where}: role must be user, assistant or system, got {role!r}.")
+        msg = {"role": role, "content": _content_text(item.get("content", ""), where)}
+        if role == "assistant" and item.get("mtp") is not None:
+            msg["mtp"] = _content_text(item["mtp"], where)
+        out.append(msg)
+    return out
+
+
+def app_strategy(name: Any, tau: Any = DEFAULT_TAU, k_max: Any = None, k: Any = None) -> Strategy:
+    """The right pane's MTP strategy from the page's controls.
+
+    The engine's :func:`~model.strategies.make_strategy` reads the name (``ConfAdapt``, ``static
+    k``, ``lossless``) and checks the parameters the strategy uses; the app adds its own upper
+    bound :data:`APP_MAX_K_MAX` on k_max (static: k).
+
+    Raises:
+        RequestError: unknown name, standard (the right pane is MTP), or a bad parameter.
+    """
     try:
-        tau_f = float(tau)
-    except (TypeError, ValueError):
-        raise RequestError(f"The threshold tau must be a number in [0, 1], got {tau!r}.") from None
-    try:
-        return make_strategy(key, tau=tau_f, k_max=k_max_i, k=k_i)
+        kind = make_strategy(name).name  # the engine normalises the name; defaults are valid
+        if kind == "standard":
+            raise ValueError(f"The right pane needs an MTP strategy: choose {', '.join(STRATEGY_CHOICES)}.")
+        if kind == "static":  # static k has no k_max control in the page: k is the block size
+            parse_whole_number(k, "k", 1, APP_MAX_K_MAX)
+            return make_strategy(kind, k=k)
+        parse_whole_number(k_max, "k_max", 1, APP_MAX_K_MAX)
+        return make_strategy(kind, tau=tau, k_max=k_max)
     except ValueError as e:
         raise RequestError(str(e)) from None
 
 
-def check_max_new_tokens(value: Any) -> int:
-    """max_new_tokens as an int in 1-:data:`APP_MAX_NEW_TOKENS`. Raises RequestError."""
-    n = _whole_number(value, "max new tokens")
-    if n < 1:
-        raise RequestError(f"max new tokens must be at least 1, got {n}.")
-    if n > APP_MAX_NEW_TOKENS:
-        raise RequestError(f"max new tokens must be at most {APP_MAX_NEW_TOKENS}, got {n}.")
-    return n
-
-
-def prompt_ids_for(lm: LoadedModel, messages: Sequence[dict], max_new_tokens: int, k_max: int) -> list[int]:
-    """Token ids of a chat history for ``lm``, refusing over-long prompts.
-
-    Raises:
-        RequestError: empty prompt, or more than :data:`MAX_PROMPT_TOKENS` tokens, or prompt +
-            max_new_tokens + k_max beyond the model's ``max_position_embeddings``.
-    """
+def app_max_new_tokens(value: Any) -> int:
+    """max_new_tokens from 1 to :data:`APP_MAX_NEW_TOKENS` (the engine's check, the app's bound)."""
     try:
-        ids = lm.prompt_ids(list(messages))
+        return check_max_new_tokens(value, APP_MAX_NEW_TOKENS)
     except ValueError as e:
         raise RequestError(str(e)) from None
-    limit = MAX_PROMPT_TOKENS
-    max_pos = getattr(getattr(lm.model, "config", None), "max_position_embeddings", None)
-    if isinstance(max_pos, int) and max_pos > 0:
-        limit = min(limit, max_pos - max_new_tokens - k_max)
-    if len(ids) > limit:
-        what = "This conversation" if len(messages) > 1 else "The message"
-        raise RequestError(f"{what} is {len(ids):,} tokens long; this demo prefills at most {max(limit, 0):,} "
-                           "tokens. Shorten the message or press Clear to start a new chat.")
-    return ids
 
 
 # ---------------------------------------------------------------------------- models
@@ -157,14 +204,14 @@ class ModelRegistry:
         self._loading: dict[tuple[str, str], threading.Lock] = {}
 
     @staticmethod
-    def key(source: str, quantization: Any = "none") -> tuple[str, str]:
+    def key(source: Any, quantization: Any = "none") -> tuple[str, str]:
         """Cache key; raises RequestError for an unknown quantization."""
         q = str(quantization or "none").strip().lower()
         if q not in QUANTIZATIONS:
-            raise RequestError(f"Unknown quantization {quantization!r}: use none, 4bit or 8bit.")
-        return (str(source).strip() or DEFAULT_SOURCE, q)
+            raise RequestError(f"Unknown quantization {quantization!r}: use {', '.join(QUANTIZATIONS)}.")
+        return (str(source or "").strip() or DEFAULT_SOURCE, q)
 
-    def get(self, source: str, quantization: Any = "none") -> LoadedModel:
+    def get(self, source: Any, quantization: Any = "none") -> LoadedModel:
         """The loaded model for ``source`` (loading it on first use).
 
         A slow load (a hub checkpoint) only blocks requests for that same model; sessions on
@@ -201,92 +248,381 @@ class ModelRegistry:
         return list(self._models)
 
 
-# ---------------------------------------------------------------------------- the run
-@dataclass
-class Pane:
-    """One side of the comparison: a strategy, its decoder and the records so far."""
+# ---------------------------------------------------------------------------- a turn
+@dataclass(frozen=True)
+class Turn:
+    """A validated request: what :func:`run_turn` needs.
 
+    Attributes:
+        lm: the model.
+        strategy: the right pane's MTP strategy (the left pane is always standard decoding).
+        max_new_tokens: per side.
+        history: the conversation before this turn (:func:`parse_history`'s form).
+        message: the user's message.
+        prompt_ids: the prompt both sides answer (history with the standard answers + message).
+        number: 1-based turn number.
+        model_key: ``(source, quantization)`` of ``lm``.
+    """
+
+    lm: LoadedModel
     strategy: Strategy
-    decoder: Decoder
-    records: list[PassRecord] = field(default_factory=list)
-    text: str = ""
+    max_new_tokens: int
+    history: list[dict]
+    message: str
+    prompt_ids: list[int]
+    number: int
+    model_key: tuple[str, str] = (DEFAULT_SOURCE, "none")
 
     @property
-    def done(self) -> bool:
-        """True once the decoder has emitted a stop token or max_new_tokens."""
-        return self.decoder.done
-
-    @property
-    def tokens(self) -> int:
-        """Tokens generated so far."""
-        return sum(len(r.kept) for r in self.records)
-
-    @property
-    def forward_passes(self) -> int:
-        """Forward passes run so far (prefill included)."""
-        return len(self.records)
-
-    @property
-    def seconds(self) -> float:
-        """Sum of this strategy's own forward-pass times (s)."""
-        return sum(r.seconds for r in self.records)
-
-    @property
-    def effective_k(self) -> float:
-        """Tokens per forward pass."""
-        return self.tokens / self.forward_passes if self.records else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        """tokens / seconds (0 before the first pass)."""
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def decode_ms_per_pass(self) -> float:
-        """Mean time of the passes after prefill (ms); the prefill pass when it is the only one."""
-        rs = self.records[1:] or self.records
-        return 1000 * sum(r.seconds for r in rs) / len(rs) if rs else 0.0
-
-    @property
-    def prefill_ms(self) -> float:
-        """Time of the first forward pass (prompt + masks), in ms."""
-        return 1000 * self.records[0].seconds if self.records else 0.0
+    def messages(self) -> list[dict]:
+        """The messages the prompt was built from (engine form: role and content only)."""
+        return engine_messages(self.history) + [{"role": "user", "content": self.message}]
 
 
-def run_side_by_side(
-    lm: LoadedModel,
-    std_prompt: Sequence[int],
-    mtp_prompt: Sequence[int],
-    mtp_strategy: Strategy,
-    max_new_tokens: int,
-    *,
-    lock: threading.Lock = FORWARD_LOCK,
-) -> Iterator[tuple[Pane, Pane]]:
-    """Alternate one forward pass of standard decoding and one of ``mtp_strategy``.
+def engine_messages(history: Sequence[dict]) -> list[dict]:
+    """History messages as the engine reads them: ``{"role", "content"}`` (the standard answers)."""
+    return [{"role": m["role"], "content": m["content"]} for m in history]
 
-    Each pass runs alone under ``lock`` (no two passes of any session overlap), so its
-    ``seconds`` is honest. Yields ``(standard_pane, mtp_pane)`` after every pass; the side that
-    finishes first simply stops taking turns.
+
+def prepare_turn(
+    registry: ModelRegistry,
+    message: Any,
+    history: Any = None,
+    strategy: Any = "ConfAdapt",
+    tau: Any = DEFAULT_TAU,
+    k_max: Any = None,
+    k: Any = None,
+    max_new_tokens: Any = DEFAULT_MAX_NEW_TOKENS,
+    model_key: Sequence[str] | None = None,
+) -> Turn:
+    """Validate one request and build its :class:`Turn` (loading the model if needed).
+
+    Args:
+        registry: where the model is found.
+        message: the user's message.
+        history: the conversation so far (see :func:`parse_history`).
+        strategy, tau, k_max, k: the right pane's strategy (see :func:`app_strategy`); k_max
+            defaults to the model's :attr:`~model.checkpoint.LoadedModel.default_k_max`.
+        max_new_tokens: per side, 1 to :data:`APP_MAX_NEW_TOKENS`.
+        model_key: ``(source, quantization)``; the default model when None.
 
     Raises:
-        ValueError: from the engine (empty prompt, bad max_new_tokens).
+        RequestError: with a message for the page (bad input, model not loadable, prompt too long
+            for the app or for the model's positions).
     """
-    panes = (Pane(standard(), Decoder(lm, std_prompt, standard(), max_new_tokens)),
-             Pane(mtp_strategy, Decoder(lm, mtp_prompt, mtp_strategy, max_new_tokens)))
-    while not all(p.done for p in panes):
-        for pane in panes:
-            if pane.done:
-                continue
-            with lock:
-                rec = pane.decoder.step()
-            pane.records.append(rec)
-            pane.text += rec.text
-            yield panes
+    text = check_message(message)
+    hist = parse_history(history)
+    source, quant = ModelRegistry.key(*(model_key or (DEFAULT_SOURCE, "none")))
+    n_new = app_max_new_tokens(max_new_tokens)
+    lm = registry.get(source, quant)
+    if k_max is None:
+        k_max = min(lm.default_k_max, APP_MAX_K_MAX)
+    strat = app_strategy(strategy, tau, k_max, k)
+    turn_messages = engine_messages(hist) + [{"role": "user", "content": text}]
+    try:
+        ids = lm.prompt_ids(turn_messages)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    if len(ids) > MAX_PROMPT_TOKENS:
+        what = "This conversation" if hist else "The message"
+        raise RequestError(f"{what} is {len(ids):,} tokens long; this demo prefills at most "
+                           f"{MAX_PROMPT_TOKENS:,} tokens. Shorten the message or press Clear to start a new chat.")
+    try:
+        check_context_budget(lm, len(ids), n_new, strat)  # the MTP side looks further ahead than standard
+    except ContextBudgetError as e:
+        raise RequestError(str(e)) from None
+    number = sum(1 for m in hist if m["role"] == "user") + 1
+    return Turn(lm=lm, strategy=strat, max_new_tokens=n_new, history=hist, message=text, prompt_ids=list(ids),
+                number=number, model_key=(source, quant))
 
 
-def speedup(std: Pane, mtp: Pane) -> float | None:
-    """Wall-clock speedup of the MTP side over standard decoding: ``std.seconds / mtp.seconds``
-    (both the sums of their own passes); None until both have run a pass."""
-    if std.seconds <= 0 or mtp.seconds <= 0:
+@dataclass(frozen=True)
+class SpeedEstimate:
+    """The MTP side's speed relative to standard decoding, robust to load.
+
+    ``ratio`` = (MTP tokens / MTP time) ÷ (standard tokens / standard time), each time estimated as
+    prefill + (passes - 1) × the median time of a decode pass; the MTP side's median pass is the
+    standard median times the median ratio of paired passes (pass i of each side ran back to back).
+    With answers of equal length this is the wall-clock speedup.
+
+    Attributes:
+        ratio: > 1 faster, < 1 slower.
+        low, high: 90% interval from resampling the paired decode passes (None: too few pairs).
+        pairs: paired decode passes used.
+        pass_cost: median MTP decode pass time ÷ median standard decode pass time (None: no pairs).
+        raw_ratio: the same ratio from the plain sums of the passes' seconds.
+        same_length: both answers have the same number of tokens.
+    """
+
+    ratio: float
+    low: float | None
+    high: float | None
+    pairs: int
+    pass_cost: float | None
+    raw_ratio: float
+    same_length: bool
+
+
+#: Fewest paired decode passes for an interval.
+MIN_PAIRS_FOR_INTERVAL = 5
+
+
+def _ratio_from(std: Sequence[PassRecord], mtp: Sequence[PassRecord], pairs: Sequence[tuple[float, float]]
+                ) -> tuple[float, float | None]:
+    """(speedup, MTP/standard decode pass cost) from the passes' counts and the given pairs."""
+    n_std, n_mtp = sum(len(r.kept) for r in std), sum(len(r.kept) for r in mtp)
+    std_decode = [r.seconds for r in std[1:]]
+    if pairs:
+        d_std = statistics.median(s for s, _ in pairs)
+        cost = statistics.median(m / s for s, m in pairs)
+    else:
+        d_std = statistics.median(std_decode) if std_decode else 0.0
+        cost = None
+    if cost is None:  # no pairs: the MTP side's own decode passes, if any
+        mtp_decode = [r.seconds for r in mtp[1:]]
+        d_mtp = statistics.median(mtp_decode) if mtp_decode else 0.0
+    else:
+        d_mtp = d_std * cost
+    t_std = std[0].seconds + (len(std) - 1) * d_std
+    t_mtp = mtp[0].seconds + (len(mtp) - 1) * d_mtp
+    return (n_mtp / t_mtp) / (n_std / t_std), cost
+
+
+def estimate_speedup(std: Sequence[PassRecord], mtp: Sequence[PassRecord], *, resamples: int = 300,
+                     seed: int = 0) -> SpeedEstimate | None:
+    """The MTP side's speed relative to standard decoding (see :class:`SpeedEstimate`).
+
+    Args:
+        std, mtp: the two sides' pass records (pass 0 = prefill).
+        resamples: bootstrap resamples of the paired decode passes for the interval.
+        seed: the resampling's seed (the same records always give the same interval).
+
+    Returns:
+        None until both sides have run a pass that produced a token.
+    """
+    if not std or not mtp:
         return None
-    return std.seconds / mtp.seconds
+    n_std, n_mtp = sum(len(r.kept) for r in std), sum(len(r.kept) for r in mtp)
+    raw_std, raw_mtp = sum(r.seconds for r in std), sum(r.seconds for r in mtp)
+    if n_std == 0 or n_mtp == 0 or raw_std <= 0 or raw_mtp <= 0:
+        return None
+    pairs = [(s.seconds, m.seconds) for s, m in zip(std[1:], mtp[1:]) if s.seconds > 0 and m.seconds > 0]
+    ratio, cost = _ratio_from(std, mtp, pairs)
+    low = high = None
+    if len(pairs) >= MIN_PAIRS_FOR_INTERVAL:
+        rng = random.Random(seed)
+        boot = sorted(_ratio_from(std, mtp, [pairs[rng.randrange(len(pairs))] for _ in pairs])[0]
+                      for _ in range(resamples))
+        low, high = boot[int(0.05 * (resamples - 1))], boot[int(round(0.95 * (resamples - 1)))]
+    return SpeedEstimate(ratio=ratio, low=low, high=high, pairs=len(pairs), pass_cost=cost,
+                         raw_ratio=(n_mtp / raw_mtp) / (n_std / raw_std), same_length=n_std == n_mtp)
+
+
+#: How a turn ended (TurnState.phase once it is final).
+PHASES = ("running", "done", "stopped", "cleared", "error")
+
+
+@dataclass
+class TurnState:
+    """Where a turn stands after a forward pass (what :func:`run_turn` yields).
+
+    Attributes:
+        turn: the request.
+        standard, mtp: each side's :class:`~model.decoding.GenerationResult` so far (text, tokens,
+            passes, effective k, seconds).
+        standard_done, mtp_done: that side has finished (stop token or max_new_tokens).
+        phase: ``running`` while passes remain, then ``done``, ``stopped`` (Stop), ``cleared``
+            (Clear) or ``error``.
+        error: the message when ``phase == "error"``.
+        wall_seconds: since the turn started (both sides, passes alternating).
+        last: which side ran the latest pass (``"standard"`` / ``"mtp"``), None before any.
+    """
+
+    turn: Turn
+    standard: GenerationResult
+    mtp: GenerationResult
+    standard_done: bool = False
+    mtp_done: bool = False
+    phase: str = "running"
+    error: str | None = None
+    wall_seconds: float = 0.0
+    last: str | None = None
+    _speed: Any = field(default=None, repr=False)
+
+    @property
+    def final(self) -> bool:
+        """True for the last state of a turn."""
+        return self.phase != "running"
+
+    @property
+    def strategy(self) -> Strategy:
+        """The MTP side's strategy."""
+        return self.turn.strategy
+
+    @property
+    def speed(self) -> SpeedEstimate | None:
+        """:func:`estimate_speedup` of the passes so far (computed once per state)."""
+        if self._speed is None:
+            self._speed = estimate_speedup(self.standard.passes, self.mtp.passes) or False
+        return self._speed or None
+
+    @property
+    def identical(self) -> bool:
+        """Both answers are the same text."""
+        return self.standard.text == self.mtp.text
+
+
+def run_turn(
+    turn: Turn,
+    should_stop: Callable[[], str | None] = lambda: None,
+    *,
+    lock: threading.Lock = FORWARD_LOCK,
+) -> Iterator[TurnState]:
+    """Run a turn: standard decoding and ``turn.strategy`` on the same prompt, one pass each in turn.
+
+    The two sides alternate in ABBA order (pair i runs standard first when i is even, MTP first
+    when odd); each pass runs alone under ``lock``. The side that finishes first stops taking turns.
+
+    Args:
+        turn: from :func:`prepare_turn`.
+        should_stop: polled before every pass; a reason (``"stopped"``, ``"cleared"``) ends the
+            turn with that phase.
+        lock: serialises forward passes across sessions.
+
+    Yields:
+        A :class:`TurnState` before the first pass and after every pass (``phase == "running"``),
+        then one final state
+        (``done``, ``stopped``, ``cleared`` or ``error``). Engine errors (context budget, NaN
+        logits, anything else) become ``phase == "error"`` with a message; nothing is raised.
+    """
+    t0 = time.perf_counter()
+    sides: dict[str, Decoder] = {}
+    try:
+        sides["standard"] = Decoder(turn.lm, turn.prompt_ids, standard(), turn.max_new_tokens)
+        sides["mtp"] = Decoder(turn.lm, turn.prompt_ids, turn.strategy, turn.max_new_tokens)
+    except ValueError as e:  # ContextBudgetError included; prepare_turn checks it first
+        empty = GenerationResult(text="", token_ids=[])
+        yield TurnState(turn, empty, empty, phase="error", error=str(e), wall_seconds=time.perf_counter() - t0)
+        return
+
+    def state(phase: str = "running", error: str | None = None, last: str | None = None) -> TurnState:
+        return TurnState(turn, sides["standard"].result(), sides["mtp"].result(), sides["standard"].done,
+                         sides["mtp"].done, phase, error, time.perf_counter() - t0, last)
+
+    yield state()  # the turn has started: no pass yet
+    pair = 0
+    while not all(d.done for d in sides.values()):
+        order = ("standard", "mtp") if pair % 2 == 0 else ("mtp", "standard")
+        for name in order:
+            dec = sides[name]
+            if dec.done:
+                continue
+            reason = should_stop()
+            if reason:
+                yield state(reason if reason in PHASES else "stopped")
+                return
+            try:
+                with lock:
+                    dec.step()
+            except NonFiniteLogitsError as e:
+                yield state("error", str(e), name)
+                return
+            except Exception as e:  # noqa: BLE001 - the page shows a message and keeps serving
+                log.exception("forward pass failed")
+                yield state("error", f"The forward pass failed: {type(e).__name__}: {e}", name)
+                return
+            yield state(last=name)
+        pair += 1
+    yield state("done")
+
+
+def history_after(state: TurnState) -> list[dict]:
+    """The conversation after a turn: its history, the user's message and the standard answer as
+    context (the MTP answer rides along as ``"mtp"``, shown in its pane only). A cleared turn
+    leaves an empty conversation; a turn that failed before any pass leaves the history unchanged
+    (the page puts the message back in the box); a turn stopped early keeps its partial answers."""
+    if state.phase == "cleared":
+        return []
+    if state.phase == "error" and not state.standard.passes and not state.mtp.passes:
+        return list(state.turn.history)
+    return list(state.turn.history) + [
+        {"role": "user", "content": state.turn.message},
+        {"role": "assistant", "content": state.standard.text, "mtp": state.mtp.text},
+    ]
+
+
+# ---------------------------------------------------------------------------- one run per session
+class RunTicket:
+    """The right to run one turn in a session; Stop and Clear reach the run through it."""
+
+    def __init__(self, runs: "SessionRuns", session: str):
+        self._runs, self.session = runs, session
+        self._reason: str | None = None
+        self.ended = threading.Event()
+        self.turn_number: int | None = None
+
+    def stop_reason(self) -> str | None:
+        """``"stopped"`` / ``"cleared"`` once Stop / Clear was pressed, else None (pass to run_turn)."""
+        return self._reason
+
+    def request_stop(self, reason: str = "stopped") -> None:
+        """Ask the run to end before its next pass (Clear wins over Stop)."""
+        if self._reason != "cleared":
+            self._reason = reason
+
+    def release(self) -> None:
+        """End the run (idempotent)."""
+        self._runs._release(self)
+
+    def __enter__(self) -> "RunTicket":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+class SessionRuns:
+    """At most one run per session at a time.
+
+    :meth:`begin` returns a :class:`RunTicket` or None while the session's previous run is still
+    going (the page then refuses the new message with a reason, keeping it in the box). A run asked
+    to stop ends before its next forward pass, so :meth:`begin` waits a moment for it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._runs: dict[str, RunTicket] = {}
+
+    def begin(self, session: str | None, wait_if_stopping: float = 10.0) -> RunTicket | None:
+        """A ticket for a new run in ``session`` (None: no session, never refused), or None if busy."""
+        if session is None:
+            return RunTicket(self, f"anonymous-{id(object())}-{time.perf_counter_ns()}")
+        deadline = time.monotonic() + wait_if_stopping
+        while True:
+            with self._lock:
+                cur = self._runs.get(session)
+                if cur is None:
+                    ticket = self._runs[session] = RunTicket(self, session)
+                    return ticket
+            if cur.stop_reason() is None or time.monotonic() >= deadline:
+                return None
+            cur.ended.wait(timeout=max(0.0, deadline - time.monotonic()))
+
+    def current(self, session: str | None) -> RunTicket | None:
+        """The session's running ticket, if any."""
+        with self._lock:
+            return self._runs.get(session) if session is not None else None
+
+    def request_stop(self, session: str | None, reason: str = "stopped") -> bool:
+        """Ask the session's run to end (``"stopped"`` or ``"cleared"``); False if none runs."""
+        ticket = self.current(session)
+        if ticket is None:
+            return False
+        ticket.request_stop(reason)
+        return True
+
+    def _release(self, ticket: RunTicket) -> None:
+        with self._lock:
+            if self._runs.get(ticket.session) is ticket:
+                del self._runs[ticket.session]
+        ticket.ended.set()

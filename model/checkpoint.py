@@ -588,8 +588,8 @@ def load_checkpoint(
     elif path.is_file() and path.suffix == ".gguf":
         model, tokenizer = _load_hf(str(path.parent), gguf_file=path.name, device=dev, dtype=dt, quantization=quantization)
     elif path.is_file():
-        raise CheckpointError(f"{source} exists but is not a model: give a Hugging Face model directory "
-                              "(config.json), an MTP adapter directory (mtp_adapter.json) or a .gguf file.")
+        raise CheckpointError(f"{source} is a file, not a model: give a model directory (with config.json), an MTP "
+                              f"adapter directory, a .gguf file, {DEFAULT_SOURCE}, or a Hugging Face Hub id (owner/name).")
     elif source.startswith((".", "/", "~")) or source.count("/") > 1 or path.suffix == ".gguf":
         raise CheckpointError(f"No such local model: {source} does not exist.")
     elif _HUB_ID.match(source):

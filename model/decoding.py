@@ -87,9 +87,12 @@ class PassRecord:
             ``"utf-8"`` (the next proposal could not continue an open character), ``"draft
             rejected"``, ``"stop token"`` or ``"max_new_tokens"``.
         drafts: the draft ids fed (verification), in order.
+        draft_texts: each draft decoded on its own.
         draft_checks: the model's greedy token at each draft's place (``len(drafts)`` ids).
+        draft_confidences: the model's top-1 probability at each draft's place.
         drafts_accepted: leading drafts equal to ``draft_checks``.
         correction: the model's token in place of the first rejected draft (None if none rejected).
+        correction_text: that token decoded on its own ("" when none).
     """
 
     index: int
@@ -106,9 +109,12 @@ class PassRecord:
     block_end: str = "k_max"
     fed_drafts: int = 0
     drafts: list[int] = field(default_factory=list)
+    draft_texts: list[str] = field(default_factory=list)
     draft_checks: list[int] = field(default_factory=list)
+    draft_confidences: list[float] = field(default_factory=list)
     drafts_accepted: int = 0
     correction: int | None = None
+    correction_text: str = ""
 
     @property
     def fed_tokens(self) -> int:
@@ -362,8 +368,9 @@ class Decoder:
             index=len(self.passes), fed_real=len(fed) - len(drafts) - m, fed_masks=m, proposals=block,
             proposal_texts=[tok.decode([t]) for t in block], confidences=block_conf, kept=kept,
             text=self._text_delta(), accepted=accepted, seconds=seconds, stopped=stopped, block_end=reason,
-            fed_drafts=len(drafts), drafts=list(drafts), draft_checks=checks, drafts_accepted=a,
-            correction=correction,
+            fed_drafts=len(drafts), drafts=list(drafts), draft_texts=[tok.decode([t]) for t in drafts],
+            draft_checks=checks, draft_confidences=conf[: len(drafts)], drafts_accepted=a, correction=correction,
+            correction_text=tok.decode([correction]) if correction is not None else "",
         )
         self.passes.append(rec)
         return rec

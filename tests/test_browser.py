@@ -1,14 +1,13 @@
 """The app in a real browser: Playwright driving Debian's Chromium (headless, loopback only).
 
-Runs the real default model (SmolLM2 GGUF) served in-process; answers are compared with the
-engine's own ``model.decoding.generate`` on the same loaded model. Screenshots are written to
-``test-artifacts/`` (gitignored) and their paths printed.
+Runs the real default model (SmolLM2 GGUF + adapter) served in-process; answers are compared with
+the engine's own ``model.decoding.generate`` on the same loaded model. Answers are kept short (2
+CPU cores in CI). Screenshots are written to ``test-artifacts/`` (gitignored) and their paths
+printed. Timing is never asserted.
 """
 
 from __future__ import annotations
 
-import json
-import re
 import shutil
 import socket
 import time
@@ -16,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from model.decoding import confadapt, generate, standard
+from model.decoding import generate
+from model.strategies import confadapt, standard
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
@@ -25,21 +25,15 @@ ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-TIMEOUT_MS = 150_000
+TIMEOUT_MS = 180_000
+FIB = "Write a Python function that returns the n-th Fibonacci number iteratively."
 
 JS_FRAMES = """() => {
   const f = document.querySelector('#passes-figure iframe');
   const gd = f && f.contentDocument && f.contentDocument.querySelector('.plotly-graph-div');
   return gd && gd._transitionData ? gd._transitionData._frames.length : -1;
 }"""
-JS_SLIDER = """() => {
-  const gd = document.querySelector('#passes-figure iframe').contentDocument.querySelector('.plotly-graph-div');
-  return gd._fullLayout.sliders[0].active;
-}"""
-JS_ANSWERS = """(sel) => Array.from(document.querySelectorAll(sel + ' [data-testid="bot"] .message-content'))
-  .map(e => e.textContent)"""
-JS_COLOURED = """() => Array.from(document.querySelectorAll('#coloured-answer .token .text'))
-  .map(e => e.textContent).join('')"""
+JS_TEXTS = """(sel) => Array.from(document.querySelectorAll(sel)).map(e => e.textContent)"""
 
 
 def free_port() -> int:
@@ -71,26 +65,25 @@ def browser():
         b.close()
 
 
-@pytest.fixture
-def page(browser, served):
-    ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+def open_page(browser, url, width=1440, height=900):
+    ctx = browser.new_context(viewport={"width": width, "height": height})
     pg = ctx.new_page()
     pg.set_default_timeout(TIMEOUT_MS)
-    pg.goto(served[1])
+    pg.goto(url)
     pg.wait_for_selector("#message textarea")
+    return ctx, pg
+
+
+@pytest.fixture
+def page(browser, served):
+    ctx, pg = open_page(browser, served[1])
     yield pg
     ctx.close()
 
 
-def set_number(pg, elem_id: str, n: int) -> None:
-    """Type ``n`` into a slider's number box."""
-    box = pg.locator(f"#{elem_id} input[type=number]")
-    box.fill(str(n))
-    box.press("Enter")
-
-
-def set_max_new_tokens(pg, n: int) -> None:
-    set_number(pg, "max-new-tokens", n)
+def set_number(pg, elem_id: str, value) -> None:
+    """Type ``value`` into a number box (the page's controls are number boxes: nothing is clamped)."""
+    pg.fill(f"#{elem_id} input", str(value))
 
 
 def send(pg, text: str) -> None:
@@ -98,70 +91,268 @@ def send(pg, text: str) -> None:
     pg.click("#send")
 
 
-def wait_status(pg, pattern: str) -> str:
-    """Wait until the status line contains ``pattern`` (plain text); return the status text."""
+def wait_status(pg, pattern: str, timeout: int = TIMEOUT_MS) -> str:
+    """Wait until the status line contains ``pattern``; return the status text."""
     pg.wait_for_function("(p) => { const s = document.querySelector('#status'); return s && s.innerText.includes(p); }",
-                         arg=pattern, timeout=TIMEOUT_MS)
+                         arg=pattern, timeout=timeout)
     return pg.inner_text("#status")
 
 
-def counters(pg, pane: str) -> dict[str, float]:
-    """The numbers in a pane's stats table (``#stats-standard`` or ``#stats-mtp``)."""
-    heads = [h.strip() for h in pg.locator(f"#{pane} th").all_inner_texts()]
-    cells = [float(c) for c in pg.locator(f"#{pane} td").all_inner_texts()]
-    return dict(zip(heads, cells))
+def wait_tokens(pg, n: int) -> None:
+    """Wait until the MTP side has generated at least ``n`` tokens while running."""
+    pg.wait_for_function(
+        "(n) => { const c = document.querySelector('#stats-mtp [data-name=\"tokens\"] .mtp-counter-value');"
+        " return c && parseFloat(c.innerText) >= n; }", arg=n, timeout=TIMEOUT_MS)
 
 
-def answers(pg, chat: str) -> list[str]:
-    return pg.evaluate(JS_ANSWERS, f"#{chat}")
+def answers(pg, pane: str) -> list[str]:
+    return pg.evaluate(JS_TEXTS, f"#{pane} .mtp-bot .mtp-msg-text")
 
 
-def gsm8k_question() -> str:
-    path = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
-    if not path.is_file():
-        pytest.skip(f"{path} not present")
-    return json.loads(path.read_text().splitlines()[0])["question"]
+def questions(pg, pane: str) -> list[str]:
+    return pg.evaluate(JS_TEXTS, f"#{pane} .mtp-user .mtp-msg-text")
 
 
-def test_page_streams_both_panes_figure_and_coloured_answer(page, served, capsys):
-    _, _, lm = served
-    question = gsm8k_question()
-    set_max_new_tokens(page, 20)
-    send(page, question)
-    status = wait_status(page, "Turn 1: done in")
-    assert "Error" not in status
+def counter_states(pg) -> list[str]:
+    return [pg.get_attribute(f"#{p} .mtp-counters", "data-state") for p in ("stats-standard", "stats-mtp")]
 
-    std, mtp = counters(page, "stats-standard"), counters(page, "stats-mtp")
-    for c in (std, mtp):
-        assert c["tokens"] > 0 and c["forward passes"] > 0 and c["effective k"] >= 1 and c["tokens/s"] > 0
-    std_ref = generate(lm, question, standard(), 20)
-    mtp_ref = generate(lm, question, confadapt(0.9, 16), 20)
-    assert answers(page, "chat-standard") == [std_ref.text]
-    assert answers(page, "chat-mtp") == [mtp_ref.text]
-    assert mtp["forward passes"] == mtp_ref.forward_passes and mtp["tokens"] == mtp_ref.new_tokens
-    # one frame per forward pass of the MTP side, in the real Plotly object inside the iframe
-    page.wait_for_function(f"() => ({JS_FRAMES})() === {int(mtp['forward passes'])}", timeout=30_000)
-    # the coloured answer's text is the MTP pane's text
-    assert page.evaluate(JS_COLOURED) == answers(page, "chat-mtp")[0]
-    assert re.search(r"Wall-clock speedup of .* over standard: [0-9.]+×", page.inner_text("#speedup"))
 
+def no_error_badges(pg) -> bool:
+    """Gradio marks an output whose event failed with an 'error' status; none may appear."""
+    return pg.locator(".error").count() == 0
+
+
+def screenshot(pg, name: str, capsys) -> Path:
     ARTIFACTS.mkdir(exist_ok=True)
-    shot = ARTIFACTS / "app_gsm8k.png"
-    page.screenshot(path=str(shot), full_page=True)
+    shot = ARTIFACTS / name
+    pg.screenshot(path=str(shot), full_page=True)
     with capsys.disabled():  # shown in the test output even when pytest captures stdout
         print(f"\nscreenshot: {shot}")
+    return shot
 
-    # Play and Pause work after generation ends
-    fig = page.frame_locator("#passes-figure iframe")
-    last = page.evaluate(JS_SLIDER)
-    assert last == mtp_ref.forward_passes - 1
-    fig.get_by_text("Play").click()
-    page.wait_for_function(f"() => ({JS_SLIDER})() !== {last}", timeout=10_000)
-    fig.get_by_text("Pause").click()
-    time.sleep(0.3)
-    paused = page.evaluate(JS_SLIDER)
+
+# ---------------------------------------------------------------------------- issues 1 and 2
+def test_one_run_per_session_and_stop_and_clear_end_cleanly(page, served):
+    _, _, lm = served
+    set_number(page, "max-new-tokens", 300)
+    set_number(page, "k-max", 4)
+    send(page, "Write a long story about a dragon who learns to bake bread.")
+    wait_tokens(page, 2)
+    # a second message while the answer streams: refused with a reason, kept in the box, never lost
+    page.fill("#message textarea", "What is 2 plus 3?")
+    page.press("#message textarea", "Enter")
+    notice = page.locator("#notice .mtp-notice")
+    notice.wait_for(state="visible", timeout=30_000)
+    assert "Still answering your previous message (turn 1)" in notice.inner_text()
+    page.locator(".toast-body", has_text="Still answering").first.wait_for(state="visible", timeout=10_000)
+    page.click("#send")  # the button too: refused the same way, not silently ignored
+    page.wait_for_function("() => document.querySelectorAll('.toast-body').length >= 1")
+    assert page.input_value("#message textarea") == "What is 2 plus 3?"
+    assert "Turn 2" not in page.inner_text("#status") and questions(page, "chat-standard")[-1].startswith("Write")
+
+    # Stop: both counters say how the turn ended, no error badge, generation really stopped
+    page.click("#stop")
+    status = wait_status(page, "stopped")
+    assert status.startswith("⏹ Turn 1: stopped after") and no_error_badges(page)
+    assert "running" not in counter_states(page) and set(counter_states(page)) <= {"stopped", "done"}
+    frozen = answers(page, "chat-standard")
     time.sleep(1.0)
-    assert page.evaluate(JS_SLIDER) == paused
+    assert answers(page, "chat-standard") == frozen and frozen[0].strip()
+    partial_std, partial_mtp = frozen[0], answers(page, "chat-mtp")[0]
+
+    # the kept message is sent now: turn 2 continues the same conversation on both sides
+    set_number(page, "max-new-tokens", 6)
+    page.press("#message textarea", "Enter")
+    wait_status(page, "Turn 2: done in")
+    conversation = [{"role": "user", "content": "Write a long story about a dragon who learns to bake bread."},
+                    {"role": "assistant", "content": partial_std}, {"role": "user", "content": "What is 2 plus 3?"}]
+    assert answers(page, "chat-standard") == [partial_std, generate(lm, conversation, standard(), 6).text]
+    assert answers(page, "chat-mtp") == [partial_mtp, generate(lm, conversation, confadapt(0.9, 4), 6).text]
+
+    # Clear during streaming, three times: always a clean, stated, empty page
+    set_number(page, "max-new-tokens", 300)
+    for i in range(3):
+        send(page, f"Tell me a long story number {i}.")
+        wait_tokens(page, 1)
+        page.click("#clear")
+        wait_status(page, "Cleared")
+        time.sleep(0.8)  # the run ends before its next pass; nothing may come back after
+        assert "Cleared" in page.inner_text("#status") and no_error_badges(page)
+        assert answers(page, "chat-standard") == [] and answers(page, "chat-mtp") == []
+        assert counter_states(page) == ["waiting", "waiting"]
+    set_number(page, "max-new-tokens", 6)
+    send(page, "What is 2 plus 3?")
+    wait_status(page, "Turn 1: done in")  # the conversation really was cleared
+    assert answers(page, "chat-standard") == [generate(lm, "What is 2 plus 3?", standard(), 6).text]
+
+
+# ---------------------------------------------------------------------------- issues 4, 5, 6
+def test_text_is_literal_code_is_preformatted_and_the_answer_reads_like_figure_1(page, served, capsys):
+    _, _, lm = served
+    set_number(page, "max-new-tokens", 24)
+    set_number(page, "k-max", 4)
+    message = FIB + " <b>bold</b> <script>window.__x = 1</script><p> ${1+1}"
+    send(page, message)
+    wait_status(page, "Turn 1: done in")
+    std_ref, mtp_ref = generate(lm, message, standard(), 24), generate(lm, message, confadapt(0.9, 4), 24)
+    # the user's text and the answers are shown literally
+    assert questions(page, "chat-standard") == [message] and questions(page, "chat-mtp") == [message]
+    assert answers(page, "chat-standard") == [std_ref.text] and answers(page, "chat-mtp") == [mtp_ref.text]
+    for pane in ("chat-standard", "chat-mtp"):
+        assert page.locator(f"#{pane} .mtp-msgs b, #{pane} .mtp-msgs script, #{pane} .mtp-msgs p").count() == 0
+    assert page.evaluate("() => window.__x") is None
+    # code blocks are preformatted, their indentation kept; the fences are not shown raw
+    assert std_ref.text.startswith("```")
+    code = page.locator("#chat-standard .mtp-bot pre.mtp-code").first
+    assert "\n    if n" in code.text_content()
+    assert code.evaluate("e => getComputedStyle(e).whiteSpace") == "pre"
+    assert "```" not in page.inner_text("#chat-standard .mtp-bot")
+
+    # the MTP answer as running text: one inline span per pass that added text, hover = pass, width
+    spans = page.locator("#coloured-answer .mtp-blk")
+    with_text = [r for r in mtp_ref.passes if r.text]
+    assert spans.count() == len(with_text)
+    assert "".join(spans.all_text_contents()) == mtp_ref.text
+    assert spans.evaluate_all("es => es.map(e => getComputedStyle(e).display)") == ["inline"] * len(with_text)
+    titles = spans.evaluate_all("es => es.map(e => e.title)")
+    assert all(t.startswith(f"forward pass {r.index + 1}: {len(r.kept)} token") for t, r in zip(titles, with_text))
+    widths = sorted({str(len(r.kept)) for r in with_text})
+    assert page.locator("#coloured-answer .mtp-legend-item").all_inner_texts() == widths
+    assert page.get_attribute("#coloured-answer .mtp-fig1", "dir") == "auto"
+    # a pass that emitted only a newline stays visible (a mark, not text)
+    assert page.locator("#coloured-answer .mtp-blk .mtp-nl").count() == mtp_ref.text.count("\n")
+    screenshot(page, "app_confadapt_1440.png", capsys)
+    page.set_viewport_size({"width": 390, "height": 844})
+    time.sleep(0.5)
+    screenshot(page, "app_confadapt_390.png", capsys)
+    page.set_viewport_size({"width": 1440, "height": 900})
+
+    # Arabic runs right to left, as one text (inline spans, no chips)
+    page.click("#clear")
+    wait_status(page, "Cleared")
+    set_number(page, "max-new-tokens", 6)
+    arabic = "اكتب جملة قصيرة عن البحر"
+    send(page, arabic)
+    wait_status(page, "Turn 1: done in")
+    ref = generate(lm, arabic, confadapt(0.9, 4), 6)
+    assert page.locator("#chat-standard .mtp-user").evaluate("e => e.matches(':dir(rtl)')")
+    assert "".join(page.locator("#coloured-answer .mtp-blk").all_text_contents()) == ref.text
+    rtl = "\u0600" <= ref.text.strip()[:1] <= "\u06ff"
+    assert page.locator("#coloured-answer .mtp-fig1").evaluate("e => e.matches(':dir(rtl)')") == rtl
+
+    # max new tokens cutting an emoji: no replacement character anywhere
+    page.click("#clear")
+    wait_status(page, "Cleared")
+    set_number(page, "max-new-tokens", 5)
+    send(page, "Send me a heart emoji.")
+    wait_status(page, "Turn 1: done in")
+    std_ref = generate(lm, "Send me a heart emoji.", standard(), 5)
+    assert answers(page, "chat-standard") == [std_ref.text]
+    shown = page.evaluate("() => ['#chat-standard', '#chat-mtp', '#coloured-answer', '#speedup']"
+                          ".map(s => document.querySelector(s).textContent).join('')")
+    assert std_ref.text in shown and "\ufffd" not in shown
+
+
+# ---------------------------------------------------------------------------- task B and issue 10
+JS_NO_WRAP = """() => Array.from(document.querySelectorAll(
+    '.mtp-counter-name, .mtp-counter-value, #pass-table th, #pass-table td:not(.mtp-td-text)')).map(e => {
+  const range = document.createRange();
+  range.selectNodeContents(e);
+  const lines = new Set(Array.from(range.getClientRects()).filter(r => r.width > 0).map(r => Math.round(r.top)));
+  return {text: e.textContent, fits: e.scrollWidth <= e.clientWidth + 1, oneLine: lines.size <= 1,
+          right: e.getBoundingClientRect().right};
+})"""
+
+
+def overlap(a: dict, b: dict) -> bool:
+    return not (a["right"] <= b["left"] or b["right"] <= a["left"]
+                or a["bottom"] <= b["top"] or b["bottom"] <= a["top"])
+
+
+def test_lossless_answer_and_the_page_at_390_px(page, served, capsys):
+    _, _, lm = served
+    page.get_by_label("lossless", exact=True).check()
+    page.wait_for_function("() => document.querySelector('#strategy-help').innerText"
+                           ".includes('Its answer is exactly standard decoding')", timeout=30_000)
+    page.locator("#tau").wait_for(state="hidden", timeout=30_000)
+    assert page.locator("#k-max").is_visible()
+    set_number(page, "max-new-tokens", 24)
+    set_number(page, "k-max", 4)
+    send(page, FIB)
+    wait_status(page, "Turn 1: done in")
+    ref = generate(lm, FIB, standard(), 24)
+    assert answers(page, "chat-standard") == [ref.text] and answers(page, "chat-mtp") == [ref.text]
+    assert "identical answers: lossless" in page.inner_text("#speedup")
+    n_passes = int(page.inner_text("#stats-mtp [data-name='passes'] .mtp-counter-value"))
+    page.wait_for_function(f"() => ({JS_FRAMES})() === {n_passes}", timeout=30_000)
+    assert "draft rejected" in page.inner_text("#passes-figure .mtp-fig-caption").replace("✗ ", "")
+    page.click("#pass-table-accordion .label-wrap")
+    page.locator("#pass-table table").wait_for(state="visible")
+    screenshot(page, "app_lossless_1440.png", capsys)
+
+    page.set_viewport_size({"width": 390, "height": 844})
+    time.sleep(1.0)
+    screenshot(page, "app_lossless_390.png", capsys)
+    # counters and table numbers never wrap inside a word, and fit the screen
+    cells = page.evaluate(JS_NO_WRAP)
+    assert cells and all(c["fits"] and c["oneLine"] for c in cells), [c for c in cells if not c["oneLine"]]
+    assert all(c["right"] <= 390 for c in cells if c["text"] in ("tokens", "tok/s", "ms/pass"))
+    # all seven columns of the per-pass table are on screen
+    heads = page.locator("#pass-table th").evaluate_all("es => es.map(e => e.getBoundingClientRect().right)")
+    assert len(heads) == 7 and max(heads) <= 390
+    # the message box is on the first screen
+    page.evaluate("() => window.scrollTo(0, 0)")
+    assert page.locator("#message textarea").bounding_box()["y"] < 844 - 60
+    # a pane's title never covers its text
+    title = page.locator("#chat-standard .mtp-pane-title").bounding_box()
+    scroll = page.locator("#chat-standard .mtp-scroll").bounding_box()
+    assert title["y"] + title["height"] <= scroll["y"] + 1
+    # block-width badges are readable (contrast at least 4.5:1)
+    contrast = page.evaluate("""() => Array.from(document.querySelectorAll('.mtp-legend-item')).map(e => {
+        const lum = c => { const v = c.match(/\\d+/g).slice(0, 3).map(x => x / 255)
+            .map(x => x <= 0.03928 ? x / 12.92 : ((x + 0.055) / 1.055) ** 2.4);
+            return 0.2126 * v[0] + 0.7152 * v[1] + 0.0722 * v[2]; };
+        const s = getComputedStyle(e);
+        if (s.backgroundColor === 'rgba(0, 0, 0, 0)') return 21;  // plain text on the page
+        const a = lum(s.color), b = lum(s.backgroundColor);
+        return (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05); })""")
+    assert contrast and min(contrast) >= 4.5
+    # Plotly: the title fits, Play / Pause do not cover the slider's label
+    fig = page.frame_locator("#passes-figure iframe")
+    width = page.locator("#passes-figure iframe").bounding_box()["width"]
+    box = fig.locator(".gtitle").bounding_box(timeout=10_000)
+    frame_box = page.locator("#passes-figure iframe").bounding_box()
+    assert box["x"] >= frame_box["x"] - 1 and box["x"] + box["width"] <= frame_box["x"] + width + 1
+    buttons = [fig.locator(".updatemenu-button").nth(i).bounding_box(timeout=10_000) for i in range(2)]
+    label = fig.locator(".slider-group > text.slider-label").first.bounding_box(timeout=10_000)
+
+    def rect(b):
+        return {"left": b["x"], "right": b["x"] + b["width"], "top": b["y"], "bottom": b["y"] + b["height"]}
+    assert not any(overlap(rect(b), rect(label)) for b in buttons)
+    # the race legend sits above the plot area, over no line
+    legend = page.locator("#race .legend").bounding_box(timeout=10_000)
+    plot = page.locator("#race .bglayer rect").first.bounding_box(timeout=10_000)
+    assert legend["y"] + legend["height"] <= plot["y"] + 1
+
+
+# ---------------------------------------------------------------------------- issue 9, sessions
+def test_typed_values_are_refused_not_clamped(page):
+    for elem, value, expected in (("tau", -1, "got -1"), ("k-max", 33, "k_max must be from 1 to 32, got 33"),
+                                  ("max-new-tokens", 100000, "got 100000")):
+        set_number(page, elem, value)
+        send(page, "hi")
+        status = wait_status(page, expected)
+        assert "Error" in status
+        assert page.input_value(f"#{elem} input") == str(value)  # the box keeps what was typed
+        assert page.input_value("#message textarea") == "hi"  # and so does the message box
+        set_number(page, elem, {"tau": 0.9, "k-max": 4, "max-new-tokens": 8}[elem])
+    assert page.input_value("#tau input") == "0.9"
+    set_number(page, "tau", 0)  # 0 is a valid threshold
+    page.click("#model-accordion .label-wrap")
+    page.fill("#local-path textarea, #local-path input", str(ROOT / "README.md"))
+    page.click("#load-model")
+    status = wait_status(page, "Still using smollm2-135m")
+    assert "README.md is a file, not a model" in status and "Traceback" not in status
 
 
 def test_four_sessions_at_once_get_their_own_answers(browser, served):
@@ -169,98 +360,20 @@ def test_four_sessions_at_once_get_their_own_answers(browser, served):
     prompts = ["What is the capital of France?", "Count from 1 to 5.", "Name a fruit that is yellow.",
                "What is 9 plus 10?"]
     n_new, k_max = 6, 4
-    contexts, pages = [], []
-    for prompt in prompts:
-        ctx = browser.new_context(viewport={"width": 1200, "height": 900})
-        pg = ctx.new_page()
-        pg.set_default_timeout(TIMEOUT_MS)
-        pg.goto(url)
-        pg.wait_for_selector("#message textarea")
-        set_max_new_tokens(pg, n_new)
-        set_number(pg, "k-max", k_max)
-        pg.fill("#message textarea", prompt)
-        contexts.append(ctx)
-        pages.append(pg)
-    for pg in pages:  # all four requests in flight together
-        pg.click("#send")
+    opened = [open_page(browser, url, 1200, 900) for _ in prompts]
     try:
-        for pg in pages:
+        for (_, pg), prompt in zip(opened, prompts):
+            set_number(pg, "max-new-tokens", n_new)
+            set_number(pg, "k-max", k_max)
+            pg.fill("#message textarea", prompt)
+        for _, pg in opened:  # all four requests in flight together
+            pg.click("#send")
+        for _, pg in opened:
             wait_status(pg, "Turn 1: done in")
-        for pg, prompt in zip(pages, prompts):
-            user_turns = pg.evaluate("() => Array.from(document.querySelectorAll('#chat-mtp [data-testid=\"user\"]'))"
-                                     ".map(e => e.textContent.trim())")
-            assert user_turns == [prompt]
+        for (_, pg), prompt in zip(opened, prompts):
+            assert questions(pg, "chat-mtp") == [prompt]
             assert answers(pg, "chat-standard") == [generate(lm, prompt, standard(), n_new).text]
             assert answers(pg, "chat-mtp") == [generate(lm, prompt, confadapt(0.9, k_max), n_new).text]
     finally:
-        for ctx in contexts:
+        for ctx, _ in opened:
             ctx.close()
-
-
-def test_stop_then_new_prompt_is_correct_and_complete(page, served):
-    _, _, lm = served
-    set_max_new_tokens(page, 300)
-    set_number(page, "k-max", 4)
-    send(page, "Write a long story about a dragon who learns to bake bread.")
-    page.wait_for_function("() => { const c = document.querySelectorAll('#stats-mtp td'); "
-                           "return c.length > 0 && parseFloat(c[0].innerText) >= 3; }", timeout=TIMEOUT_MS)
-    page.click("#stop")
-    wait_status(page, "Stopped")
-    time.sleep(1.5)
-    frozen = answers(page, "chat-standard")[0]
-    time.sleep(1.5)
-    assert answers(page, "chat-standard")[0] == frozen  # generation really stopped
-    partial_std, partial_mtp = frozen, answers(page, "chat-mtp")[0]
-    assert partial_std.strip() and partial_mtp.strip()
-
-    set_max_new_tokens(page, 10)
-    send(page, "What is 2 plus 3?")
-    wait_status(page, "Turn 2: done in")
-    first = "Write a long story about a dragon who learns to bake bread."
-    hist_std = [{"role": "user", "content": first}, {"role": "assistant", "content": partial_std},
-                {"role": "user", "content": "What is 2 plus 3?"}]
-    hist_mtp = [hist_std[0], {"role": "assistant", "content": partial_mtp}, hist_std[2]]
-    std_ref, mtp_ref = generate(lm, hist_std, standard(), 10), generate(lm, hist_mtp, confadapt(0.9, 4), 10)
-    assert answers(page, "chat-standard") == [partial_std, std_ref.text]
-    assert answers(page, "chat-mtp") == [partial_mtp, mtp_ref.text]
-    assert counters(page, "stats-standard")["tokens"] == std_ref.new_tokens
-
-
-def test_bad_inputs_show_messages_and_the_app_keeps_serving(page, served):
-    _, url, lm = served
-    set_max_new_tokens(page, 8)
-    page.click("#send")  # empty message
-    assert "The message is empty" in wait_status(page, "Error")
-
-    page.click("#clear")
-    wait_status(page, "Cleared")
-    send(page, "x" * 20_000)
-    assert "20,000 characters" in wait_status(page, "Error")
-
-    page.get_by_text("Model", exact=True).first.click()  # open the Model accordion
-    page.fill("#local-path textarea, #local-path input", "/no/such/model-dir")
-    page.click("#load-model")
-    status = wait_status(page, "No such local model")
-    assert "Still using smollm2-135m" in status
-    toast = page.locator(".toast-body", has_text="No such local model")  # also a toast, seen wherever scrolled
-    toast.first.wait_for(state="visible", timeout=10_000)
-
-    rtl = "مرحبا بالعالم 👋🌍 שלום עולם — what language is this?"
-    send(page, rtl)
-    status = wait_status(page, "Turn 1: done in")
-    assert "Error" not in status
-    assert answers(page, "chat-standard") == [generate(lm, rtl, standard(), 8).text]
-
-    from gradio_client import Client  # k_max 0 and 999 can only come through the API
-
-    client = Client(url, verbose=False)
-    for bad in (0, 999):
-        out = client.predict("hi", [], [], "ConfAdapt", 0.9, bad, 3, 8, api_name="/chat")
-        assert f"k_max must be between 1 and 32, got {bad}" in out[-1]
-
-    page.click("#clear")
-    wait_status(page, "Cleared")
-    send(page, "What is 2 plus 3?")
-    wait_status(page, "Turn 1: done in")
-    assert answers(page, "chat-standard") == [generate(lm, "What is 2 plus 3?", standard(), 8).text]
-    assert answers(page, "chat-mtp") == [generate(lm, "What is 2 plus 3?", confadapt(0.9, 16), 8).text]

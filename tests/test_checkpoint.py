@@ -104,7 +104,7 @@ def test_bad_sources_raise_clear_errors(source, message):
 
 def test_a_file_that_is_not_a_model(tmp_path):
     (tmp_path / "README.md").write_text("# hello")
-    with pytest.raises(CheckpointError, match="exists but is not a model"):
+    with pytest.raises(CheckpointError, match="is a file, not a model"):
         load_checkpoint(str(tmp_path / "README.md"))
 
 

@@ -70,6 +70,8 @@ def test_right_drafts_are_all_accepted_and_a_wrong_one_is_corrected(tiny_lm64):
     rec = dec.step()
     assert rec.drafts_accepted == 1 and rec.correction == ref[6] and rec.kept == ref[5:7]
     assert rec.block_end == "draft rejected" and dec.drafts == []
+    assert rec.correction_text == lm.tokenizer.decode([ref[6]]) and len(rec.draft_texts) == 3
+    assert len(rec.draft_confidences) == 3 and all(0.0 < c <= 1.0 for c in rec.draft_confidences)
     assert_cache_is_fresh_prefill(lm, dec, 1e-10)
     for _ in dec:
         assert_cache_is_fresh_prefill(lm, dec, 1e-10)
@@ -124,4 +126,5 @@ def test_verify_record_is_strict_json(tiny_lm):
 
     res = run(tiny_lm, tiny_lm.prompt_ids(PROMPTS[0]), verify(4), 12)
     d = json.loads(json.dumps(res.to_dict(), allow_nan=False))
-    assert {"drafts", "draft_checks", "drafts_accepted", "correction", "block_end", "fed_drafts"} <= set(d["passes"][1])
+    assert {"drafts", "draft_texts", "draft_checks", "draft_confidences", "drafts_accepted", "correction",
+            "correction_text", "block_end", "fed_drafts"} <= set(d["passes"][1])

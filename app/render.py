@@ -1,0 +1,390 @@
+"""HTML fragments of the page, drawn from runner states and engine records (no Gradio, no model code).
+
+Every text from the user or the model is escaped here and shown literally: HTML stays text,
+whitespace and indentation are kept (``white-space: pre-wrap``), fenced code blocks are
+preformatted, and each block of text gets ``dir="auto"`` so right-to-left scripts lay out as they
+should. Texts come from the engine's records (``PassRecord.text``, ``GenerationResult.text``),
+which never end in an incomplete character; nothing here decodes tokens.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import re
+import statistics
+from typing import Any, Sequence
+
+from model.checkpoint import LoadedModel
+from model.decoding import GenerationResult, PassRecord
+from model.strategies import Strategy
+
+from .runner import SpeedEstimate, TurnState
+
+# ---------------------------------------------------------------------------- text
+#: A fence line (```lang), with the line break before it and its own: those belong to the fence, so
+#: the text before it and the code block carry no stray blank line.
+_FENCE = re.compile(r"\n?^[ \t]*```[^\n]*\n?", re.M)
+
+
+def esc(text: Any) -> str:
+    """HTML-escaped text (quotes too)."""
+    return html.escape("" if text is None else str(text), quote=True)
+
+
+def _text(text: str) -> str:
+    return f'<span class="mtp-text">{esc(text)}</span>' if text else ""
+
+
+def message_html(text: str) -> str:
+    """One message shown literally: text with its whitespace, fenced code blocks as ``<pre>``.
+
+    An opening fence without its closing fence (an answer still streaming, or cut by max new
+    tokens) runs to the end of the text.
+    """
+    out, pos, in_code = [], 0, False
+    for m in _FENCE.finditer(text):
+        chunk = text[pos:m.start()]
+        if in_code:
+            out.append(f'<pre class="mtp-code"><code>{esc(chunk)}</code></pre>')
+        else:
+            out.append(_text(chunk))
+        out.append(f'<span class="mtp-fence">{esc(m.group(0))}</span>')
+        in_code, pos = not in_code, m.end()
+    rest = text[pos:]
+    if in_code:
+        out.append(f'<pre class="mtp-code"><code>{esc(rest)}</code></pre>')
+    else:
+        out.append(_text(rest))
+    return "".join(out)
+
+
+def pane_html(history: Sequence[dict], message: str | None, answer: str | None, *, side: str, title: str,
+              running: bool = False) -> str:
+    """A chat pane: the conversation so far, then this turn's message and (streaming) answer.
+
+    Args:
+        history: :func:`app.runner.parse_history` messages; the MTP pane shows assistant messages'
+            ``"mtp"`` text where present.
+        message: this turn's user message (None: no turn in progress).
+        answer: this turn's answer so far.
+        side: ``"standard"`` or ``"mtp"``.
+        title: the pane's heading (shown above the scroll area, never over the text).
+        running: show a cursor after the answer.
+    """
+    rows = []
+    for m in history:
+        content = m.get("mtp", m["content"]) if side == "mtp" and m["role"] == "assistant" else m["content"]
+        rows.append(_bubble(m["role"], content))
+        if side == "mtp" and m["role"] == "assistant" and "mtp" in m and m["mtp"] != m["content"]:
+            rows.append('<div class="mtp-note">The conversation continues from the standard answer (left), '
+                        "so both panes answer the same prompts.</div>")
+    if message is not None:
+        rows.append(_bubble("user", message))
+        rows.append(_bubble("assistant", answer or "", cursor=running))
+    body = "".join(rows) or '<div class="mtp-empty">No messages yet.</div>'
+    return (f'<section class="mtp-pane" data-side="{side}" aria-label="{esc(title)}">'
+            f'<header class="mtp-pane-title">{esc(title)}</header>'
+            f'<div class="mtp-scroll" role="log"><div class="mtp-msgs">{body}</div></div></section>')
+
+
+def _bubble(role: str, text: str, cursor: bool = False) -> str:
+    who = "user" if role == "user" else ("system" if role == "system" else "bot")
+    tail = '<span class="mtp-cursor" aria-hidden="true">▍</span>' if cursor else ""
+    return (f'<div class="mtp-msg mtp-{who}" data-role="{who}" dir="auto">'
+            f'<div class="mtp-msg-text">{message_html(text)}</div>{tail}</div>')
+
+
+# ---------------------------------------------------------------------------- counters
+#: Counter name -> what it means (the page shows these as tooltips and in a caption).
+COUNTER_HELP = {
+    "tokens": "tokens generated so far",
+    "passes": "forward passes of the model (the first one reads the whole prompt)",
+    "eff. k": "effective k: tokens per forward pass",
+    "total s": "seconds: the sum of this side's own forward passes (each timed alone)",
+    "prefill ms": "the first forward pass: the prompt (plus masks on the MTP side)",
+    "ms/pass": "median time of one forward pass after the prefill",
+    "tok/s": "tokens per second of this side's own forward passes",
+}
+
+
+def counters(result: GenerationResult | None) -> dict[str, str]:
+    """The counters of one side as display strings, keyed as :data:`COUNTER_HELP`."""
+    if result is None or not result.passes:
+        return {k: "–" for k in COUNTER_HELP}
+    decode = [p.seconds for p in result.passes[1:]]
+    return {
+        "tokens": f"{result.new_tokens}",
+        "passes": f"{result.forward_passes}",
+        "eff. k": f"{result.effective_k:.2f}",
+        "total s": f"{result.seconds:.2f}",
+        "prefill ms": f"{1000 * result.passes[0].seconds:.0f}",
+        "ms/pass": f"{1000 * statistics.median(decode):.0f}" if decode else "–",
+        "tok/s": f"{result.tokens_per_second:.1f}",
+    }
+
+
+def counters_html(result: GenerationResult | None, *, side: str, label: str, state: str) -> str:
+    """The counters under a pane: a wrapping row of label / value cells (never wrapped inside).
+
+    Args:
+        state: ``waiting``, ``running``, ``done``, ``stopped``, ``cleared`` or ``error``.
+    """
+    cells = "".join(
+        f'<div class="mtp-counter" data-name="{esc(k)}" title="{esc(COUNTER_HELP[k])}">'
+        f'<span class="mtp-counter-name">{esc(k)}</span><span class="mtp-counter-value">{esc(v)}</span></div>'
+        for k, v in counters(result).items())
+    state_text = {"running": "running…", "waiting": "waiting"}.get(state, state)
+    return (f'<div class="mtp-counters" data-side="{side}" data-state="{esc(state)}">'
+            f'<div class="mtp-counters-head"><b>{esc(label)}</b> · <span class="mtp-state">{esc(state_text)}</span>'
+            f'</div><div class="mtp-counter-row">{cells}</div></div>')
+
+
+def counters_caption() -> str:
+    """One line that explains the counters (also their tooltips)."""
+    parts = "; ".join(f"<b>{esc(k)}</b>: {esc(v)}" for k, v in COUNTER_HELP.items())
+    return f'<details class="mtp-caption"><summary>What the counters mean</summary><p>{parts}.</p></details>'
+
+
+# ---------------------------------------------------------------------------- speed
+def times_text(ratio: float) -> str:
+    """``1.32× faster``, ``2.80× slower`` or ``1.00× (the same speed)``."""
+    if not math.isfinite(ratio) or ratio <= 0:
+        return "unknown"
+    if round(ratio, 2) == 1.0:
+        return "1.00× (the same speed)"
+    return f"{ratio:.2f}× faster" if ratio > 1 else f"{1 / ratio:.2f}× slower"
+
+
+def _interval_text(low: float, high: float) -> str:
+    def one(r: float) -> str:
+        return f"{r:.2f}× faster" if r >= 1 else f"{1 / r:.2f}× slower"
+    return f"{one(low)} to {one(high)}"
+
+
+def speed_html(state: TurnState | None) -> str:
+    """The headline: how fast the MTP side ran compared with standard decoding, with its uncertainty,
+    effective k and the cost of one pass, and whether the answers agree."""
+    if state is None:
+        return ""
+    sp: SpeedEstimate | None = state.speed
+    label = state.strategy.label
+    if sp is None:
+        return f'<div class="mtp-speed">{esc(label)} vs standard: waiting for both sides’ first tokens…</div>'
+    what = "wall-clock speed" if sp.same_length else "speed in tokens per second (the answers differ in length)"
+    head = f"<b>{esc(label)}: {esc(times_text(sp.ratio))} than standard decoding</b>" if round(sp.ratio, 2) != 1.0 \
+        else f"<b>{esc(label)}: {esc(times_text(sp.ratio))} as standard decoding</b>"
+    bits = [f"{what}"]
+    if sp.low is not None and sp.high is not None:
+        bits.append(f"90% interval {_interval_text(sp.low, sp.high)} over {sp.pairs} alternating pairs of passes")
+        if sp.low <= 1.0 <= sp.high and round(sp.ratio, 2) != 1.0:
+            bits.append("the interval includes equal speed: no clear difference")
+    else:
+        bits.append("too few passes for an interval")
+    k = state.mtp.effective_k
+    if sp.pass_cost is not None:
+        bits.append(f"effective k {k:.2f} tokens per pass, and one MTP pass costs {sp.pass_cost:.2f}× a standard "
+                    "pass (medians)")
+    else:
+        bits.append(f"effective k {k:.2f}")
+    bits.append(f"the plain sums of pass times give {sp.raw_ratio:.2f}×")
+    if state.turn.strategy.verifies:
+        agree = ("identical answers: lossless, as it must be" if state.identical else
+                 "the answers differ: numerical differences between a pass over several tokens and single-token "
+                 "passes changed a greedy choice")
+    else:
+        agree = "identical answers" if state.identical else "the answers differ"
+    bits.append(agree)
+    return (f'<div class="mtp-speed" data-ratio="{sp.ratio:.4f}">{head} ({"; ".join(esc(b) for b in bits)}).'
+            "</div>")
+
+
+# ---------------------------------------------------------------------------- the paper's Figure 1
+#: Background colours for blocks of 2, 3, 4, ... tokens (the last repeats); all light enough for
+#: dark text at a contrast of at least 7:1. A pass of one token (what standard decoding does) stays
+#: plain text, so the answer reads as text and the multi-token blocks stand out.
+WIDTH_COLOURS = ("#cfe3f7", "#c9efc4", "#fff2a8", "#ffd9a8", "#ffc2c2", "#e8c9f5", "#c2f0ec")
+TEXT_ON_COLOUR = "#111111"
+
+
+def width_colour(width: int) -> str | None:
+    """Background colour of a block of ``width`` tokens (None for one token: plain text)."""
+    return None if width <= 1 else WIDTH_COLOURS[min(width - 1, len(WIDTH_COLOURS)) - 1]
+
+
+def _width_style(width: int) -> str:
+    colour = width_colour(width)
+    return f' style="background:{colour};color:{TEXT_ON_COLOUR}"' if colour else ""
+
+
+def _pass_title(rec: PassRecord, strategy: Strategy | None) -> str:
+    n = len(rec.kept)
+    head = f"forward pass {rec.index + 1}: {n} token{'s' if n != 1 else ''}"
+    if strategy is not None and strategy.verifies:
+        if rec.fed_drafts:
+            head += f"; {min(rec.drafts_accepted, n)} of {rec.fed_drafts} drafts accepted"
+            head += ", then the model's correction" if rec.correction is not None else ", then the model's next token"
+        else:
+            head += " (no drafts to check)"
+    else:
+        confs = ", ".join(f"{c:.2f}" for c in rec.confidences[:n])
+        head += f"; confidences {confs}"
+    return f"{head}; block ended: {rec.block_end}"
+
+
+def figure1_html(records: Sequence[PassRecord], strategy: Strategy | None = None) -> str:
+    """The MTP answer as running text, one coloured span per forward pass (the paper's Figure 1).
+
+    Colour = block width (tokens the pass added); hovering a span gives the pass number, its width,
+    the confidences (or, when verifying, the drafts accepted) and why the block ended. Newlines
+    are shown as ``↵`` marks (CSS, not text) so that a pass that emitted only a newline stays
+    visible. Passes of one token stay plain text; a legend lists the widths that occur.
+    """
+    spans, widths = [], set()
+    for r in records:
+        if not r.text:
+            continue
+        w = len(r.kept)
+        widths.add(w)
+        body = esc(r.text).replace("\n", '<span class="mtp-nl" aria-hidden="true"></span>\n')
+        spans.append(f'<span class="mtp-blk{" mtp-multi" if w > 1 else ""}" data-pass="{r.index + 1}" '
+                     f'data-width="{w}"{_width_style(w)} title="{esc(_pass_title(r, strategy))}">{body}</span>')
+    if not spans:
+        return ('<div class="mtp-fig1-wrap"><div class="mtp-fig1-empty">The MTP answer, coloured by forward '
+                "pass, appears here.</div></div>")
+    legend = "".join(f'<span class="mtp-legend-item"{_width_style(w)}>{w}</span>' for w in sorted(widths))
+    return ('<div class="mtp-fig1-wrap"><div class="mtp-legend"><span>tokens per forward pass:</span> '
+            f'{legend}<span class="mtp-legend-hint">(hover a span for its pass)</span></div>'
+            f'<div class="mtp-fig1" dir="auto">{"".join(spans)}</div></div>')
+
+
+# ---------------------------------------------------------------------------- the per-pass table
+#: Short forms of ``PassRecord.block_end`` for the table (the full reason is the cell's tooltip).
+BLOCK_END_SHORT = {"k_max": "k_max", "below tau": "< tau", "utf-8": "utf-8", "draft rejected": "rejected",
+                   "stop token": "stop", "max_new_tokens": "max new"}
+
+
+def _one_line(text: str) -> str:
+    """A pass's text on one line: newlines and tabs as marks (CSS), the rest literal."""
+    return (esc(text).replace("\n", '<span class="mtp-nl" aria-hidden="true"></span>')
+            .replace("\t", '<span class="mtp-tab" aria-hidden="true"></span>'))
+
+
+def pass_table_html(state: TurnState | None) -> str:
+    """Every forward pass of both sides: tokens fed (real + masks, or real + drafts + masks), kept,
+    why the block ended, ms, text. Narrow enough for a phone; numbers never wrap."""
+    if state is None or not (state.standard.passes or state.mtp.passes):
+        return '<div class="mtp-table-empty">No passes yet.</div>'
+    rows = []
+    for side, res in (("std", state.standard), ("MTP", state.mtp)):
+        for r in res.passes:
+            fed = f"{r.fed_real}+{r.fed_drafts}+{r.fed_masks}" if r.fed_drafts else f"{r.fed_real}+{r.fed_masks}"
+            end = BLOCK_END_SHORT.get(r.block_end, r.block_end)
+            rows.append(f"<tr><td>{side}</td><td>{r.index + 1}</td><td>{fed}</td><td>{len(r.kept)}</td>"
+                        f'<td title="{esc(r.block_end)}">{esc(end)}</td><td>{1000 * r.seconds:.0f}</td>'
+                        f'<td class="mtp-td-text" dir="auto" title="{esc(r.text)}">{_one_line(r.text)}</td></tr>')
+    head = ('<tr><th title="std = standard decoding, MTP = the right pane">side</th><th>pass</th>'
+            '<th title="tokens fed: real + masks (real + drafts + masks when verifying)">fed</th>'
+            '<th title="tokens this pass added to the answer">kept</th>'
+            '<th title="why the block ended">end</th><th title="milliseconds of this forward pass">ms</th>'
+            "<th>text</th></tr>")
+    return (f'<div class="mtp-table-wrap"><table class="mtp-table"><thead>{head}</thead>'
+            f'<tbody>{"".join(rows)}</tbody></table></div>')
+
+
+# ---------------------------------------------------------------------------- model and strategy
+def dtype_name(lm: LoadedModel) -> str | None:
+    """``bf16`` / ``fp32`` / ... when the engine says which dtype runs (``lm.dtype``), else None."""
+    dt = getattr(lm, "dtype", None)
+    if dt is None:
+        return None
+    name = str(dt).replace("torch.", "")
+    return {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16", "float64": "fp64"}.get(name, name)
+
+
+def model_html(lm: LoadedModel, quantization: str = "none") -> str:
+    """What is loaded: source, device, dtype and forward path (when the engine says), quantization,
+    MTP-trained or not, adapter, warnings."""
+    trained = "MTP-trained" if lm.mtp_trained else "<b>not MTP-trained</b> (the mask token is new: proposals are poor)"
+    bits = [f"<b>Model</b> <code>{esc(lm.source)}</code>", esc(str(lm.device))]
+    dt = dtype_name(lm)
+    if dt:
+        bits.append(esc(dt))
+    path = getattr(lm, "forward_path", None)
+    if path:
+        bits.append(esc(path))
+    if quantization != "none":
+        bits.append(f"quantization {esc(quantization)}")
+    bits.append(trained)
+    if lm.adapter:
+        bits.append(f"adapter {esc(lm.adapter)}")
+    if lm.trained_k_max:
+        bits.append(f"trained with k_max {lm.trained_k_max}")
+    bits.append(f"mask token id {lm.mask_token_id}")
+    bits.append(f"prompt format {esc(lm.prompt_format)}")
+    lines = [" · ".join(bits)] + [f"⚠️ {esc(w)}" for w in lm.warnings]
+    return '<div class="mtp-model">' + "<br>".join(lines) + "</div>"
+
+
+#: One line per strategy of the right pane (the page shows the chosen one).
+STRATEGY_HELP = {
+    "ConfAdapt": ("<b>ConfAdapt</b>: each forward pass proposes up to k_max tokens; it keeps the first proposal "
+                  "(the model's ordinary next token) always, then the following ones while their confidence is at "
+                  "least tau."),
+    "static k": "<b>static k</b>: each forward pass keeps exactly its first k proposals, whatever their confidence.",
+    "lossless": ("<b>lossless</b> (self-speculative verification): each pass feeds the previous pass's mask "
+                 "proposals as drafts, keeps the drafts equal to the model's own greedy choice, plus its next token. "
+                 "<b>Its answer is exactly standard decoding's</b>; only the number of forward passes changes."),
+}
+
+
+def strategy_help_html(choice: str) -> str:
+    """The explanation line for the chosen strategy."""
+    return f'<div class="mtp-strategy-help">{STRATEGY_HELP.get(choice, "")}</div>'
+
+
+def status_html(text: str, *, kind: str = "info") -> str:
+    """The status line (``kind``: info, error)."""
+    if kind == "error":
+        return f'<div class="mtp-status mtp-error" role="alert">⚠️ <b>Error:</b> {esc(text)}</div>'
+    return f'<div class="mtp-status">{esc(text)}</div>'
+
+
+def turn_status(state: TurnState) -> tuple[str, str]:
+    """(text, kind) of the status line for a turn's state."""
+    n, label, src = state.turn.number, state.strategy.label, state.turn.lm.source
+    if state.phase == "running":
+        return f"Turn {n}: running standard vs {label} on {src}…", "info"
+    if state.phase == "done":
+        return (f"Turn {n}: done in {state.wall_seconds:.1f} s wall-clock (both sides, passes alternating).",
+                "info")
+    if state.phase == "stopped":
+        return (f"⏹ Turn {n}: stopped after {state.standard.new_tokens} standard and {state.mtp.new_tokens} MTP "
+                "tokens. The partial answers stay in the conversation; send a new message to continue.", "info")
+    if state.phase == "cleared":
+        return "Cleared: a new conversation starts with your next message.", "info"
+    return f"Turn {n} failed: {state.error}", "error"
+
+
+def summary(state: TurnState | None, *, status: str = "", kind: str = "info") -> dict:
+    """A plain, strict-JSON summary of a turn for API clients (texts, counters, speed, state)."""
+    if state is None:
+        return {"phase": "error" if kind == "error" else "idle", "status": status}
+
+    def side(res: GenerationResult, strategy: str) -> dict:
+        return {"strategy": strategy, "text": res.text, "new_tokens": res.new_tokens,
+                "forward_passes": res.forward_passes, "effective_k": round(res.effective_k, 4),
+                "seconds": round(res.seconds, 6), "tokens_per_second": round(res.tokens_per_second, 3),
+                "pass_seconds": [round(p.seconds, 6) for p in res.passes],
+                "block_widths": [len(p.kept) for p in res.passes]}
+
+    sp = state.speed
+    speed = None if sp is None else {
+        "ratio": round(sp.ratio, 4), "low": None if sp.low is None else round(sp.low, 4),
+        "high": None if sp.high is None else round(sp.high, 4), "pairs": sp.pairs,
+        "pass_cost": None if sp.pass_cost is None else round(sp.pass_cost, 4), "raw_ratio": round(sp.raw_ratio, 4),
+        "same_length": sp.same_length, "text": times_text(sp.ratio)}
+    return {"phase": state.phase, "status": status, "turn": state.turn.number, "error": state.error,
+            "model": state.turn.lm.source, "prompt_tokens": len(state.turn.prompt_ids),
+            "max_new_tokens": state.turn.max_new_tokens, "standard": side(state.standard, "standard"),
+            "mtp": side(state.mtp, state.strategy.spec), "identical": state.identical, "speed": speed}
