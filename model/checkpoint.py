@@ -202,6 +202,49 @@ class LoadedModel:
 
         return DynamicCache(config=getattr(self.model, "config", None))
 
+    # ------------------------------------------------------------------ prompts
+    def prompt_ids(self, messages: str | Sequence[dict]) -> list[int]:
+        """Token ids of a prompt, ready for the first forward pass.
+
+        Args:
+            messages: a user message (str) or a chat history in the messages format
+                (``[{"role": "user", "content": ...}, {"role": "assistant", ...}, ...]``),
+                ending with a user turn.
+
+        Returns:
+            The prompt as a list of token ids (``prompt_len`` tokens), formatted with the
+            model's prompt format and ending where the assistant's answer begins.
+
+        Message contents are text, never markup: a message that spells a special token (the mask
+        token, ``<|im_end|>``, ...) is tokenised as those characters (:mod:`model.text`).
+
+        Raises:
+            ValueError: empty prompt, a malformed message, a history whose last turn is not the
+                user's, or a chat template that rewrites message text.
+        """
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        messages = list(messages)
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(
+                    m.get("content"), str):
+                raise ValueError("Each message must be {'role': 'system' | 'user' | 'assistant', 'content': text}, "
+                                 f"got {str(m)[:80]!r}.")
+        if not messages or messages[-1].get("role") != "user":
+            raise ValueError("The prompt must end with a user message.")
+        if not str(messages[-1].get("content", "")).strip():
+            raise ValueError("The prompt is empty: type a question first.")
+        tok = self.tokenizer
+        if self.prompt_format == "chat" and getattr(tok, "chat_template", None):
+            return chat_prompt_ids(tok, [{"role": m.get("role"), "content": str(m.get("content", ""))}
+                                         for m in messages])
+        # bos_newlines: bos + question + "\n\n" (turns joined the same way); no markup but the BOS id
+        ids = encode_literal(tok, "".join(str(m["content"]) + "\n\n" for m in messages))
+        if tok.bos_token_id is not None:
+            ids = [tok.bos_token_id] + ids
+        return ids
+
+    # ---------------------------------------------------------------- forward
     def _adapter_rows(self, num_tokens: int, num_masks: int) -> int:
         """Rows of a pass that run through the MTP adapter: the trailing masks for aLoRA, all for LoRA,
         none without an adapter or inside :meth:`base_model`."""
@@ -209,7 +252,6 @@ class LoadedModel:
             return 0
         return num_masks if self.adapter == "alora" else num_tokens
 
-    # ---------------------------------------------------------------- forward
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -288,48 +330,6 @@ class LoadedModel:
         import dataclasses
 
         return dataclasses.replace(self, adapter=None)
-
-    # ------------------------------------------------------------------ prompts
-    def prompt_ids(self, messages: str | Sequence[dict]) -> list[int]:
-        """Token ids of a prompt, ready for the first forward pass.
-
-        Args:
-            messages: a user message (str) or a chat history in the messages format
-                (``[{"role": "user", "content": ...}, {"role": "assistant", ...}, ...]``),
-                ending with a user turn.
-
-        Returns:
-            The prompt as a list of token ids (``prompt_len`` tokens), formatted with the
-            model's prompt format and ending where the assistant's answer begins.
-
-        Message contents are text, never markup: a message that spells a special token (the mask
-        token, ``<|im_end|>``, ...) is tokenised as those characters (:mod:`model.text`).
-
-        Raises:
-            ValueError: empty prompt, a malformed message, a history whose last turn is not the
-                user's, or a chat template that rewrites message text.
-        """
-        if isinstance(messages, str):
-            messages = [{"role": "user", "content": messages}]
-        messages = list(messages)
-        for m in messages:
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(
-                    m.get("content"), str):
-                raise ValueError("Each message must be {'role': 'system' | 'user' | 'assistant', 'content': text}, "
-                                 f"got {str(m)[:80]!r}.")
-        if not messages or messages[-1].get("role") != "user":
-            raise ValueError("The prompt must end with a user message.")
-        if not str(messages[-1].get("content", "")).strip():
-            raise ValueError("The prompt is empty: type a question first.")
-        tok = self.tokenizer
-        if self.prompt_format == "chat" and getattr(tok, "chat_template", None):
-            return chat_prompt_ids(tok, [{"role": m.get("role"), "content": str(m.get("content", ""))}
-                                         for m in messages])
-        # bos_newlines: bos + question + "\n\n" (turns joined the same way); no markup but the BOS id
-        ids = encode_literal(tok, "".join(str(m["content"]) + "\n\n" for m in messages))
-        if tok.bos_token_id is not None:
-            ids = [tok.bos_token_id] + ids
-        return ids
 
     @property
     def vocab_size(self) -> int:

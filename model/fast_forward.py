@@ -100,8 +100,8 @@ class KVCache:
         if n <= cap:
             return
         new = max(n, 2 * cap)
-        if self.max_capacity is not None:
-            new = min(max(n, min(new, self.max_capacity)), max(n, self.max_capacity))
+        if self.max_capacity is not None:  # doubling stops at the model's positions (n itself always fits)
+            new = max(n, min(new, self.max_capacity))
         for lst in (self.k, self.v):
             for i, old in enumerate(lst):
                 t = self._empty(new)

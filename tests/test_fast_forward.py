@@ -342,3 +342,14 @@ def test_partial_lora_targets_match_peft(base_tokenizer):
     passes, _, _ = _both(lm, _schedule(lm))
     for a, b, m in passes:
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+def test_cache_growth_stops_at_the_model_positions():
+    c = KVCache(2, 1, 4, torch.float32, torch.device("cpu"), capacity=4, max_capacity=10)
+    c.k[0][:, :, :3] = 1.0
+    c.length = 3
+    c.reserve(5)
+    assert c.capacity == 8 and torch.equal(c.k[0][:, :, :3], torch.ones(1, 1, 3, 4))
+    c.reserve(9)
+    assert c.capacity == 10  # not 16: the model has 10 positions
+    assert len(c.layers) == 2 and c.layers[1].values.shape == (1, 1, 3, 4)
