@@ -189,14 +189,23 @@ def speed_html(state: TurnState | None) -> str:
         bits.append(f"effective k {k:.2f}")
     bits.append(f"the plain sums of pass times give {sp.raw_ratio:.2f}×")
     if state.turn.strategy.verifies:
-        agree = ("identical answers: lossless, as it must be" if state.identical else
-                 "the answers differ: numerical differences between a pass over several tokens and single-token "
-                 "passes changed a greedy choice")
+        agree = "identical answers: lossless, as it must be" if state.identical else _parting(state)
     else:
         agree = "identical answers" if state.identical else "the answers differ"
     bits.append(agree)
     return (f'<div class="mtp-speed" data-ratio="{sp.ratio:.4f}">{head} ({"; ".join(esc(b) for b in bits)}).'
             "</div>")
+
+
+def _parting(state: TurnState) -> str:
+    """Why a lossless answer differs from standard decoding's: where they part and how close the call was."""
+    std, mtp = state.standard.token_ids, state.mtp.token_ids
+    i = next((i for i, (a, b) in enumerate(zip(std, mtp)) if a != b), min(len(std), len(mtp)))
+    conf = state.standard.passes[i].confidences[0] if i < len(state.standard.passes) else None
+    close = f" (standard decoding's top candidate there had probability {conf:.2f})" if conf is not None else ""
+    dt = dtype_name(state.turn.lm) or "this precision"
+    return (f"the answers part at token {i + 1}{close}: in {dt} a pass over several tokens rounds differently from a "
+            "one-token pass, and there the two best candidates were nearly tied; in float32 they are identical")
 
 
 # ---------------------------------------------------------------------------- the paper's Figure 1
@@ -334,7 +343,10 @@ STRATEGY_HELP = {
     "static k": "<b>static k</b>: each forward pass keeps exactly its first k proposals, whatever their confidence.",
     "lossless": ("<b>lossless</b> (self-speculative verification): each pass feeds the previous pass's mask "
                  "proposals as drafts, keeps the drafts equal to the model's own greedy choice, plus its next token. "
-                 "<b>Its answer is exactly standard decoding's</b>; only the number of forward passes changes."),
+                 "<b>Its answer is standard decoding's</b>; only the number of forward passes changes. Exactly so in "
+                 "float32; in bf16 a pass over several tokens rounds differently from a one-token pass, so where two "
+                 "candidates are nearly tied the answers can part (the page says where; Model › Precision › float32 "
+                 "makes them identical to the bit)."),
 }
 
 

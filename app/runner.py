@@ -71,6 +71,8 @@ MAX_PROMPT_TOKENS = int(os.environ.get("MTP_APP_MAX_PROMPT_TOKENS", "2048"))
 MAX_MESSAGE_CHARS = int(os.environ.get("MTP_APP_MAX_MESSAGE_CHARS", "16000"))
 #: Quantization choices (bitsandbytes, CUDA only).
 QUANTIZATIONS = ("none", "4bit", "8bit")
+#: Precisions a model can be loaded in: auto = bfloat16 where the device computes it natively, else float32.
+PRECISIONS = ("auto", "float32", "bfloat16")
 #: The MTP strategies of the right pane, as the page labels them (the engine reads these labels).
 STRATEGY_CHOICES = ("ConfAdapt", "static k", "lossless")
 
@@ -189,7 +191,7 @@ def parse_source(choice: Any, local_path: Any) -> str:
 
 
 class ModelRegistry:
-    """Models loaded once and cached per ``(source, quantization)`` (least recently used first out).
+    """Models loaded once and cached per ``(source, quantization, precision)`` (least recently used first out).
 
     Args:
         loader: the engine's :func:`model.checkpoint.load_checkpoint` (or a compatible callable).
@@ -199,19 +201,23 @@ class ModelRegistry:
     def __init__(self, loader: Callable[..., LoadedModel] = load_checkpoint, capacity: int = 2):
         self._loader = loader
         self._capacity = max(1, capacity)
-        self._models: OrderedDict[tuple[str, str], LoadedModel] = OrderedDict()
+        self._models: OrderedDict[tuple[str, str, str], LoadedModel] = OrderedDict()
         self._lock = threading.Lock()
-        self._loading: dict[tuple[str, str], threading.Lock] = {}
+        self._loading: dict[tuple[str, str, str], threading.Lock] = {}
 
     @staticmethod
-    def key(source: Any, quantization: Any = "none") -> tuple[str, str]:
-        """Cache key; raises RequestError for an unknown quantization."""
+    def key(source: Any, quantization: Any = "none", precision: Any = "auto") -> tuple[str, str, str]:
+        """Cache key ``(source, quantization, precision)``; raises RequestError for an unknown
+        quantization or precision."""
         q = str(quantization or "none").strip().lower()
         if q not in QUANTIZATIONS:
             raise RequestError(f"Unknown quantization {quantization!r}: use {', '.join(QUANTIZATIONS)}.")
-        return (str(source or "").strip() or DEFAULT_SOURCE, q)
+        p = str(precision or "auto").strip().lower()
+        if p not in PRECISIONS:
+            raise RequestError(f"Unknown precision {precision!r}: use {', '.join(PRECISIONS)}.")
+        return (str(source or "").strip() or DEFAULT_SOURCE, q, p)
 
-    def get(self, source: Any, quantization: Any = "none") -> LoadedModel:
+    def get(self, source: Any, quantization: Any = "none", precision: Any = "auto") -> LoadedModel:
         """The loaded model for ``source`` (loading it on first use).
 
         A slow load (a hub checkpoint) only blocks requests for that same model; sessions on
@@ -220,7 +226,7 @@ class ModelRegistry:
         Raises:
             RequestError: the source cannot be loaded (message from the engine).
         """
-        key = self.key(source, quantization)
+        key = self.key(source, quantization, precision)
         with self._lock:
             if key in self._models:
                 self._models.move_to_end(key)
@@ -231,7 +237,7 @@ class ModelRegistry:
                 if key in self._models:  # loaded by another request meanwhile
                     return self._models[key]
             try:
-                lm = self._loader(key[0], quantization=None if key[1] == "none" else key[1])
+                lm = self._loader(key[0], quantization=None if key[1] == "none" else key[1], dtype=key[2])
             except CheckpointError as e:
                 raise RequestError(str(e)) from None
             except Exception as e:  # noqa: BLE001 - anything a loader raises becomes a page message
@@ -243,7 +249,7 @@ class ModelRegistry:
                     self._models.popitem(last=False)
             return lm
 
-    def loaded(self) -> list[tuple[str, str]]:
+    def loaded(self) -> list[tuple[str, str, str]]:
         """Keys of the models currently loaded."""
         return list(self._models)
 
@@ -261,7 +267,7 @@ class Turn:
         message: the user's message.
         prompt_ids: the prompt both sides answer (history with the standard answers + message).
         number: 1-based turn number.
-        model_key: ``(source, quantization)`` of ``lm``.
+        model_key: ``(source, quantization, precision)`` of ``lm``.
     """
 
     lm: LoadedModel
@@ -271,7 +277,7 @@ class Turn:
     message: str
     prompt_ids: list[int]
     number: int
-    model_key: tuple[str, str] = (DEFAULT_SOURCE, "none")
+    model_key: tuple[str, str, str] = (DEFAULT_SOURCE, "none", "auto")
 
     @property
     def messages(self) -> list[dict]:
@@ -304,7 +310,7 @@ def prepare_turn(
         strategy, tau, k_max, k: the right pane's strategy (see :func:`app_strategy`); k_max
             defaults to the model's :attr:`~model.checkpoint.LoadedModel.default_k_max`.
         max_new_tokens: per side, 1 to :data:`APP_MAX_NEW_TOKENS`.
-        model_key: ``(source, quantization)``; the default model when None.
+        model_key: ``(source, quantization[, precision])``; the default model when None.
 
     Raises:
         RequestError: with a message for the page (bad input, model not loadable, prompt too long
@@ -312,9 +318,9 @@ def prepare_turn(
     """
     text = check_message(message)
     hist = parse_history(history)
-    source, quant = ModelRegistry.key(*(model_key or (DEFAULT_SOURCE, "none")))
+    key = ModelRegistry.key(*(model_key or (DEFAULT_SOURCE,)))
     n_new = app_max_new_tokens(max_new_tokens)
-    lm = registry.get(source, quant)
+    lm = registry.get(*key)
     if k_max is None:
         k_max = min(lm.default_k_max, APP_MAX_K_MAX)
     strat = app_strategy(strategy, tau, k_max, k)
@@ -333,7 +339,7 @@ def prepare_turn(
         raise RequestError(str(e)) from None
     number = sum(1 for m in hist if m["role"] == "user") + 1
     return Turn(lm=lm, strategy=strat, max_new_tokens=n_new, history=hist, message=text, prompt_ids=list(ids),
-                number=number, model_key=(source, quant))
+                number=number, model_key=key)
 
 
 @dataclass(frozen=True)

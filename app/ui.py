@@ -27,6 +27,7 @@ from .runner import (
     APP_MAX_K_MAX,
     APP_MAX_NEW_TOKENS,
     DEFAULT_MAX_NEW_TOKENS,
+    PRECISIONS,
     QUANTIZATIONS,
     STRATEGY_CHOICES,
     ModelRegistry,
@@ -161,7 +162,7 @@ def header_html() -> str:
         "et al., <i>Multi-Token Prediction via Self-Distillation</i></a>). <b>ConfAdapt</b> always keeps the first "
         "proposal (the model's ordinary next token) and then the following ones while their confidence is at least "
         "tau; <b>lossless</b> verification keeps only proposals the model itself confirms, so its answer equals "
-        "standard decoding.</p><p class=\"mtp-wide\">Each message is answered twice: standard decoding on the left, "
+        "standard decoding's (to the bit in float32).</p><p class=\"mtp-wide\">Each message is answered twice: standard decoding on the left, "
         "MTP on the right, their forward passes alternating on one worker so that each is timed alone.</p></div>")
 
 
@@ -350,10 +351,10 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True,
         return (gr.update(visible=choice == "ConfAdapt"), gr.update(visible=choice in ("ConfAdapt", "lossless")),
                 gr.update(visible=choice == "static k"), render.strategy_help_html(choice))
 
-    def load_model(choice, local_path, quantization, model_key):
+    def load_model(choice, local_path, quantization, precision, model_key):
         try:
             source = parse_source(choice, local_path)
-            key = ModelRegistry.key(source, quantization)
+            key = ModelRegistry.key(source, quantization, precision)
             lm = registry.get(*key)
         except RequestError as e:
             current = (model_key or default_key)[0]
@@ -420,6 +421,9 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True,
                 local_path = gr.Textbox(label="…or a local path / hub id", placeholder="/path/to/model or owner/name",
                                         scale=3, elem_id="local-path")
                 quantization = gr.Radio(list(QUANTIZATIONS), value="none", label="Quantization (CUDA only)", scale=2)
+                precision = gr.Radio(list(PRECISIONS), value="auto", label="Precision", scale=2, elem_id="precision",
+                                     info="auto: bf16 where the hardware computes it natively; float32: lossless "
+                                          "answers identical to the bit")
                 load_btn = gr.Button("Load model", scale=1, elem_id="load-model")
         history = gr.JSON([], visible=False, elem_id="history")
         result = gr.JSON(None, visible=False, elem_id="result")
@@ -434,7 +438,7 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True,
         clear_btn.click(clear, strategy, outputs[1:], api_name=False, queue=False, show_progress="hidden")
         strategy.change(on_strategy, strategy, [tau, k_max, k, strategy_help], api_name=False, queue=False,
                         show_progress="hidden")
-        load_btn.click(load_model, [model_choice, local_path, quantization, model_key],
+        load_btn.click(load_model, [model_choice, local_path, quantization, precision, model_key],
                        [model_key, model_info, status, k_max], api_name="load_model", concurrency_limit=1)
     demo.mtp_registry = registry  # type: ignore[attr-defined]
     demo.mtp_sessions = sessions  # type: ignore[attr-defined]

@@ -16,7 +16,7 @@ out ``--batch-size`` sequences per process with ``M`` MTP regions each
 * ``--adapter lora`` (default, ``--lora-rank 16``): LoRA on all linear layers + the mask token's
   embedding row; the teacher is the same module with the adapter disabled.
 * ``--adapter alora``: activated LoRA (peft ``alora_invocation_tokens=[mask]``): real tokens use
-  the base weights, only mask positions the adapter; two-phase training (issue 6).
+  the base weights, only mask positions the adapter; two-phase training.
 
 Outputs in ``--output``: ``train_log.jsonl`` (one JSON object per step), ``checkpoint-STEP/``
 (resumable: weights, optimizer, scheduler, RNG, step) and the final export: a full model

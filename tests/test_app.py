@@ -10,6 +10,7 @@ k = 1 against standard decoding), whose ratio must read 1.00 whatever the load.
 from __future__ import annotations
 
 import copy
+import json
 import html as htmllib
 import os
 import re
@@ -40,7 +41,7 @@ from app.runner import (
 from model.checkpoint import wrap_model
 from model.decoding import PassRecord, generate
 from model.strategies import confadapt, standard, static_k
-from tests.conftest import make_tiny
+from tests.conftest import GSM8K_SAMPLE, make_tiny
 
 pytestmark = pytest.mark.integration
 
@@ -71,7 +72,7 @@ def finish(turn, should_stop=lambda: None):
     return states, states[-1]
 
 
-# ---------------------------------------------------------------------------- validation (issue 9)
+# ---------------------------------------------------------------------------- validation
 @pytest.mark.parametrize(
     ("kwargs", "expected"),
     [
@@ -193,10 +194,16 @@ def test_one_run_per_session():
 
 
 # ---------------------------------------------------------------------------- lossless (task B)
-def test_lossless_turn_equals_standard_and_its_figure_marks_the_drafts(registry, lm):
+FP32 = ("smollm2-135m", "none", "float32")
+
+
+def test_lossless_turn_equals_standard_and_its_figure_marks_the_drafts(registry):
+    """In float32 the lossless side's answer is standard decoding's to the bit."""
     prompt = "Write a Python function that returns the n-th Fibonacci number iteratively."
-    last = finish(prepare_turn(registry, prompt, [], "lossless", 0.9, 4, 3, 24))[1]
-    assert last.strategy.verifies and last.identical and last.mtp.text == generate(lm, prompt, standard(), 24).text
+    last = finish(prepare_turn(registry, prompt, [], "lossless", 0.9, 4, 3, 24, FP32))[1]
+    lm32 = registry.get(*FP32)
+    assert lm32.dtype == torch.float32
+    assert last.strategy.verifies and last.identical and last.mtp.text == generate(lm32, prompt, standard(), 24).text
     assert "identical answers: lossless" in render.speed_html(last)
     fig = figures.passes_figure(last.mtp.passes, last.strategy)
     assert len(fig["frames"]) == last.mtp.forward_passes
@@ -212,7 +219,30 @@ def test_lossless_turn_equals_standard_and_its_figure_marks_the_drafts(registry,
     assert any(r.correction is not None for r in last.mtp.passes) or any(r.drafts_accepted for r in last.mtp.passes)
 
 
-# ---------------------------------------------------------------------------- numbers (issues 7, 8)
+def test_lossless_in_bf16_says_where_and_why_the_answers_part(registry):
+    """In bf16 a pass over several tokens rounds differently from a one-token pass: at a near-tie the
+    lossless answer can part from standard decoding's, and the page says where and why. (This GSM8K
+    problem parted at token 9 on this project's CPUs; elsewhere it may not part at all.)"""
+    lm = registry.get("smollm2-135m", "none", "bfloat16")
+    question = json.loads(GSM8K_SAMPLE.read_text().splitlines()[4])["question"]
+    last = finish(prepare_turn(registry, question, [], "lossless", 0.9, 4, 3, 16, ("smollm2-135m", "none",
+                                                                                   "bfloat16")))[1]
+    line = render.speed_html(last)
+    if last.identical:
+        assert "identical answers: lossless" in line
+    else:
+        i = next(i for i, (a, b) in enumerate(zip(last.standard.token_ids, last.mtp.token_ids)) if a != b)
+        assert f"the answers part at token {i + 1}" in line and "in bf16" in line and "in float32 they are identical" in line
+    assert lm.dtype == torch.bfloat16
+
+
+def test_registry_keys_name_the_precision():
+    assert ModelRegistry.key("smollm2-135m") == ("smollm2-135m", "none", "auto")
+    with pytest.raises(RequestError, match="Unknown precision 'float8'"):
+        ModelRegistry.key("smollm2-135m", "none", "float8")
+
+
+# ---------------------------------------------------------------------------- numbers
 def test_speed_is_worded_as_faster_or_slower():
     assert render.times_text(1 / 2.8) == "2.80× slower"
     assert render.times_text(2.31) == "2.31× faster"
@@ -289,7 +319,7 @@ def test_static_k1_reads_the_same_speed_as_standard_beside_another_session(regis
     assert "the same speed" in render.speed_html(last) or "includes equal speed" in render.speed_html(last)
 
 
-# ---------------------------------------------------------------------------- rendering (issues 4, 5)
+# ---------------------------------------------------------------------------- rendering
 def test_text_is_shown_literally():
     text = "<b>bold</b> <script>alert(1)</script><p>\n${1+1} & done\n```python\ndef f(n):\n    return n\n```\nend"
     out = render.message_html(text)
@@ -332,7 +362,7 @@ def test_block_colours_keep_text_readable():
 @pytest.fixture
 def tiny_registry(base_tokenizer):
     """A registry whose every source is a fresh tiny random Llama (max 2048 positions)."""
-    def loader(source, quantization=None):
+    def loader(source, quantization=None, dtype=None):
         tok = copy.deepcopy(base_tokenizer)
         model = make_tiny(tok)
         if source == "nan":
@@ -444,12 +474,12 @@ def test_api_refuses_out_of_range_values_instead_of_clamping(client, tau, k_max,
 
 
 def test_api_load_model_errors_keep_the_current_model(client):
-    info, status, _ = client.predict("smollm2-135m", "/nonexistent/model-dir", "none", api_name="/load_model")
+    info, status, _ = client.predict("smollm2-135m", "/nonexistent/model-dir", "none", "auto", api_name="/load_model")
     assert "No such local model" in status and "Still using smollm2-135m." in status
-    info, status, _ = client.predict("smollm2-135m", "", "4bit", api_name="/load_model")
+    info, status, _ = client.predict("smollm2-135m", "", "4bit", "auto", api_name="/load_model")
     assert "needs a CUDA GPU" in status and "Still using smollm2-135m." in status
     # a file that exists but is not a model
-    info, status, _ = client.predict("smollm2-135m", str(ROOT / "README.md"), "none", api_name="/load_model")
+    info, status, _ = client.predict("smollm2-135m", str(ROOT / "README.md"), "none", "auto", api_name="/load_model")
     assert f"{ROOT / 'README.md'} is a file, not a model: give a model directory" in status
     assert "Still using smollm2-135m." in status and "Traceback" not in status
     out = ask(client, PROMPT, max_new_tokens=4)
@@ -470,12 +500,12 @@ def test_api_engine_errors_are_messages_and_the_worker_lives(tiny_registry):
         assert out["result"]["phase"] == "done"
         out = ask(c, "hi " * 1990, max_new_tokens=200)
         assert out["result"]["phase"] == "error" and "max_position_embeddings" in out["status"]
-        info, status, _ = c.predict("smollm2-135m", "nan", "none", api_name="/load_model")  # weights with NaN
+        info, status, _ = c.predict("smollm2-135m", "nan", "none", "auto", api_name="/load_model")  # weights with NaN
         assert "Loaded nan" in status
         out = ask(c, "hi", max_new_tokens=8)
         assert out["result"]["phase"] == "error" and "NaN or infinite logits" in out["status"]
         assert "Traceback" not in out["status"]
-        c.predict("smollm2-135m", "tiny", "none", api_name="/load_model")
+        c.predict("smollm2-135m", "tiny", "none", "auto", api_name="/load_model")
         assert ask(c, "hi", max_new_tokens=4)["result"]["phase"] == "done"  # the worker still serves
     finally:
         demo.close()

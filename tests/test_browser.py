@@ -131,7 +131,7 @@ def screenshot(pg, name: str, capsys) -> Path:
     return shot
 
 
-# ---------------------------------------------------------------------------- issues 1 and 2
+# ---------------------------------------------------------------------------- one run per session, Stop, Clear
 def test_one_run_per_session_and_stop_and_clear_end_cleanly(page, served):
     _, _, lm = served
     set_number(page, "max-new-tokens", 300)
@@ -186,7 +186,7 @@ def test_one_run_per_session_and_stop_and_clear_end_cleanly(page, served):
     assert answers(page, "chat-standard") == [generate(lm, "What is 2 plus 3?", standard(), 6).text]
 
 
-# ---------------------------------------------------------------------------- issues 4, 5, 6
+# ---------------------------------------------------------------------------- text as text, Figure 1, whole characters
 def test_text_is_literal_code_is_preformatted_and_the_answer_reads_like_figure_1(page, served, capsys):
     _, _, lm = served
     set_number(page, "max-new-tokens", 24)
@@ -253,7 +253,7 @@ def test_text_is_literal_code_is_preformatted_and_the_answer_reads_like_figure_1
     assert std_ref.text in shown and "\ufffd" not in shown
 
 
-# ---------------------------------------------------------------------------- task B and issue 10
+# ---------------------------------------------------------------------------- lossless, the phone layout
 JS_NO_WRAP = """() => Array.from(document.querySelectorAll(
     '.mtp-counter-name, .mtp-counter-value, #pass-table th, #pass-table td:not(.mtp-td-text)')).map(e => {
   const range = document.createRange();
@@ -335,7 +335,7 @@ def test_lossless_answer_and_the_page_at_390_px(page, served, capsys):
     assert legend["y"] + legend["height"] <= plot["y"] + 1
 
 
-# ---------------------------------------------------------------------------- issue 9, sessions
+# ---------------------------------------------------------------------------- values refused, sessions
 def test_typed_values_are_refused_not_clamped(page):
     for elem, value, expected in (("tau", -1, "got -1"), ("k-max", 33, "k_max must be from 1 to 32, got 33"),
                                   ("max-new-tokens", 100000, "got 100000")):
