@@ -46,9 +46,10 @@ def smollm2() -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def smollm2_adapter() -> LoadedModel:
-    """The embedded default as users get it: SmolLM2-135M-Instruct + the MTP adapter in assets/. Read-only use!"""
+    """The embedded default: SmolLM2-135M-Instruct + the MTP adapter in assets/, in float32 (exactness
+    checks; users get bf16 on CPUs with native bf16). Read-only use!"""
     try:
-        return load_checkpoint("smollm2-135m")
+        return load_checkpoint("smollm2-135m", dtype="float32")
     except Exception as e:  # package missing: integration tests cannot run
         pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
 

@@ -128,3 +128,30 @@ def test_verify_record_is_strict_json(tiny_lm):
     d = json.loads(json.dumps(res.to_dict(), allow_nan=False))
     assert {"drafts", "draft_texts", "draft_checks", "draft_confidences", "drafts_accepted", "correction",
             "correction_text", "block_end", "fed_drafts"} <= set(d["passes"][1])
+
+
+SMOLLM2_PROMPTS = [
+    "Janet has 3 apples and buys 5 more. How many apples does she have? Think step by step.",
+    "Write a Python function that reverses a string.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
+    "clips did Natalia sell altogether in April and May?",
+]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("prompt", SMOLLM2_PROMPTS)
+def test_verify_equals_standard_on_the_default_model_float32(smollm2_adapter, prompt):
+    """The shipped activated adapter drafts; the base verifies: 64 tokens identical to standard decoding
+    (float32: to the bit; docs/DESIGN.md explains bf16), the KV cache a fresh prefill after the run."""
+    lm = smollm2_adapter
+    assert lm.adapter == "alora" and lm.dtype == torch.float32
+    ids = lm.prompt_ids(prompt)
+    ref = run(lm, ids, standard(), 64)
+    dec = Decoder(lm, ids, verify(lm.default_k_max), 64)
+    for _ in dec:
+        pass
+    assert dec.generated == ref.token_ids
+    assert dec.result().forward_passes <= ref.forward_passes
+    with lm.base_model():
+        assert_cache_is_fresh_prefill(lm, dec, 1e-3)
+
