@@ -270,10 +270,17 @@ def overlap(a: dict, b: dict) -> bool:
 
 
 def test_lossless_answer_and_the_page_at_390_px(page, served, capsys):
-    _, _, lm = served
+    demo, _, _ = served
+    # float32: the precision in which the lossless answer is standard decoding's to the bit
+    page.click("#model-accordion .label-wrap")
+    page.locator("#precision").get_by_label("float32", exact=True).check()
+    page.click("#load-model")
+    wait_status(page, "Loaded smollm2-135m")
+    assert "fp32" in page.inner_text("#model-info")
+    lm = demo.mtp_registry.get("smollm2-135m", "none", "float32")
     page.get_by_label("lossless", exact=True).check()
     page.wait_for_function("() => document.querySelector('#strategy-help').innerText"
-                           ".includes('Its answer is exactly standard decoding')", timeout=30_000)
+                           ".includes('Its answer is standard decoding')", timeout=30_000)
     page.locator("#tau").wait_for(state="hidden", timeout=30_000)
     assert page.locator("#k-max").is_visible()
     set_number(page, "max-new-tokens", 24)
