@@ -332,6 +332,8 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True,
                 if due:
                     last_fig = now
                 first = False
+                if not state.final and ticket.stop_reason() is not None:
+                    continue  # Stop / Clear already answered the page: a late running update must not undo it
                 yield out
 
     if spaces is not None:  # ZeroGPU: hold a GPU for the whole side-by-side generation
