@@ -1,13 +1,14 @@
-"""Train an MTP model by online self-distillation (paper 3.3, 4.1-4.4; DESIGN.md section 2).
+"""Train an MTP model by online self-distillation (paper 3.3, 4.1-4.4).
 
-    python -m model.train --base smollm2-135m --data ../shared/data/gsm8k/train.jsonl \\
-        --output runs/mtp --max-steps 1000 --batch-size 8 --lora-rank 16
+    python -m model.self_answers --data openai/gsm8k:main --out runs/self_answers/gsm8k.jsonl   # optional
+    python -m model.train --base smollm2-135m --data runs/self_answers/gsm8k.jsonl \\
+        --output runs/mtp --adapter alora --max-steps 1000 --batch-size 8 --lora-rank 16
     accelerate launch --multi_gpu --num_processes 2 -m model.train ...   # DDP (gloo on a CPU-only machine)
 
 DDP is tested (2 CPU processes, identical weights). FSDP is not: the teacher pass calls the unwrapped
 module (peft ``disable_adapter``), which assumes unsharded parameters; use DDP for LoRA / aLoRA.
 
-Each optimizer step draws one block size ``k`` in ``[2, k_max]`` and one region-grid offset, lays
+Each optimizer step draws one block size ``k`` in ``[k_min, k_max]`` and one region-grid offset, lays
 out ``--batch-size`` sequences per process with ``M`` MTP regions each
 (:mod:`model.layout`), and minimises the student-forced self-distillation loss
 (:mod:`model.objective`). Three ways to train:
@@ -16,10 +17,14 @@ out ``--batch-size`` sequences per process with ``M`` MTP regions each
 * ``--adapter lora`` (default, ``--lora-rank 16``): LoRA on all linear layers + the mask token's
   embedding row; the teacher is the same module with the adapter disabled.
 * ``--adapter alora``: activated LoRA (peft ``alora_invocation_tokens=[mask]``): real tokens use
-  the base weights, only mask positions the adapter; two-phase training (issue 6).
+  the base weights, only mask positions the adapter; two-phase training.
+
+Mixed precision ``auto`` is bf16 autocast wherever the device computes bf16 natively (CUDA; CPUs with
+AVX512-BF16 or AMX, :func:`model.checkpoint.native_bf16`), float32 elsewhere.
 
 Outputs in ``--output``: ``train_log.jsonl`` (one JSON object per step), ``checkpoint-STEP/``
-(resumable: weights, optimizer, scheduler, RNG, step) and the final export: a full model
+(resumable: trainable weights, optimizer, scheduler, RNG, step, training CPU seconds),
+``exports/step-N/`` with ``--export-every N``, and the final export: a full model
 directory (tokenizer with the mask token) or an adapter directory (``mtp_adapter.json`` +
 ``mask_rows.safetensors`` + peft files) that :func:`model.checkpoint.load_checkpoint` loads.
 """
@@ -39,7 +44,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 

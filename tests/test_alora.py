@@ -1,4 +1,4 @@
-"""Activated MTP adapters (issue 6): mask-only LoRA, two-phase training, exact standard decoding."""
+"""Activated MTP adapters: mask-only LoRA, two-phase training, exact standard decoding."""
 
 from __future__ import annotations
 
