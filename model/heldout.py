@@ -73,7 +73,8 @@ def score_agreement(lm: LoadedModel, seqs: Sequence[Sequence[int]], starts: Sequ
     Returns:
         ``{"agreement", "match", "confidence", "positions", "blocks", "sequences", "*_se" and
         "*_se_cluster" for agreement / match, "sim_k": {tau: mean}, "sim_k_right": {tau: mean},
-        "by_block": {j: {"agreement", "match"}}}``.
+        "by_block": {j: {"agreement", "match"}}, "per_sequence": [[agree, match, positions, blocks,
+        sim_k sum per tau...]]}`` (sums per sequence, for paired differences between models).
     """
     from .train import batch_objective
 
@@ -139,6 +140,8 @@ def score_agreement(lm: LoadedModel, seqs: Sequence[Sequence[int]], starts: Sequ
     res["sim_k_right"] = {str(t): sum(r[f"right{t}"] for r in rows) / max(blocks, 1) for t in taus}
     res["by_block"] = {str(j): {"agreement": v[0] / max(v[2], 1), "match": v[1] / max(v[2], 1)}
                        for j, v in by_block.items()}
+    # per sequence sums, for paired comparisons of two models on the same set
+    res["per_sequence"] = [[r["agree"], r["match"], r["n"], r["blocks"], *[r[f"sim{t}"] for t in taus]] for r in rows]
     return res
 
 
