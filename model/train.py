@@ -618,7 +618,21 @@ def resume_run(run: Run, resume_dir: Path | None) -> None:
     state = json.loads((resume_dir / STATE_FILE).read_text())
     run.step, run.cpu_seconds = state["step"], float(state.get("cpu_seconds", 0.0))
     if run.main:
+        _truncate_log(run.output / LOG_FILE, run.step)
         print(f"resumed from {resume_dir} at step {run.step}", file=sys.stderr)
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop the log lines of steps after ``step`` (logged by a killed run after its last checkpoint,
+    about to be run again), so that the resumed log holds each step once."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines()
+    keep = [x for x in lines if not x.strip() or json.loads(x).get("step", 0) <= step or "eval" in json.loads(x)]
+    if len(keep) != len(lines):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(x + "\n" for x in keep))
+        tmp.replace(path)
 
 
 def export_snapshot(run: Run) -> Path | None:
