@@ -292,8 +292,8 @@ def mix_reference(examples: Sequence[Example], share: float, seed: int) -> list[
     if share <= 0:
         return list(examples)
     rng = random.Random(f"reference-{seed}")
-    return [dataclasses.replace(ex, response=ex.reference) if ex.reference and rng.random() < share else ex
-            for ex in examples]
+    return [dataclasses.replace(ex, response=ex.reference, complete=True) if ex.reference and rng.random() < share
+            else ex for ex in examples]
 
 
 def prepare_data(cfg: TrainConfig, lm: LoadedModel, examples: Sequence[Example], accelerator: Any) -> TrainData:
