@@ -73,7 +73,8 @@ def score_agreement(lm: LoadedModel, seqs: Sequence[Sequence[int]], starts: Sequ
     Returns:
         ``{"agreement", "match", "confidence", "positions", "blocks", "sequences", "*_se" and
         "*_se_cluster" for agreement / match, "sim_k": {tau: mean}, "sim_k_right": {tau: mean},
-        "by_block": {j: {"agreement", "match"}}}``.
+        "by_block": {j: {"agreement", "match"}}, "per_sequence": [[agree, match, positions, blocks,
+        sim_k sum per tau...]]}`` (sums per sequence, for paired differences between models).
     """
     from .train import batch_objective
 
@@ -139,6 +140,8 @@ def score_agreement(lm: LoadedModel, seqs: Sequence[Sequence[int]], starts: Sequ
     res["sim_k_right"] = {str(t): sum(r[f"right{t}"] for r in rows) / max(blocks, 1) for t in taus}
     res["by_block"] = {str(j): {"agreement": v[0] / max(v[2], 1), "match": v[1] / max(v[2], 1)}
                        for j, v in by_block.items()}
+    # per sequence sums, for paired comparisons of two models on the same set
+    res["per_sequence"] = [[r["agree"], r["match"], r["n"], r["blocks"], *[r[f"sim{t}"] for t in taus]] for r in rows]
     return res
 
 
@@ -147,7 +150,8 @@ def decode_effective_k(lm: LoadedModel, prompts: Sequence[str], references: Sequ
                        taus: Sequence[float] = (0.9, 0.7), k_max: int = 4, max_new_tokens: int = 128) -> dict:
     """ConfAdapt decoding of each prompt at each tau: pooled effective k (new tokens / forward passes),
     the mean and standard error of per-answer effective k, and the share of answers equal to
-    ``references`` (the base model's greedy answers, cut to the same length) when given."""
+    ``references`` (the base model's greedy answers; an answer cut at ``max_new_tokens`` must be a
+    prefix of its reference) when given."""
     out: dict[str, Any] = {}
     for t in taus:
         toks = passes = same = 0
@@ -161,9 +165,11 @@ def decode_effective_k(lm: LoadedModel, prompts: Sequence[str], references: Sequ
             toks += r.new_tokens
             passes += r.forward_passes
             per.append(r.new_tokens / max(r.forward_passes, 1))
-            if references is not None:
-                ref_ids = lm.tokenizer(references[i], add_special_tokens=False)["input_ids"][: max_new_tokens]
-                same += int(r.token_ids[: len(ref_ids)] == ref_ids)
+            if references is not None:  # compared as text: token ids need not survive a decode/encode round trip
+                body = [t for t in r.token_ids if t not in lm.stop_token_ids]
+                text = lm.tokenizer.decode(body, skip_special_tokens=True).strip()
+                ended = len(body) < len(r.token_ids)
+                same += int(text == references[i].strip() if ended else references[i].strip().startswith(text))
         m = sum(per) / len(per)
         sd = math.sqrt(sum((x - m) ** 2 for x in per) / max(len(per) - 1, 1))
         out[str(t)] = {"effective_k": toks / max(passes, 1), "effective_k_per_answer": m,

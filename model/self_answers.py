@@ -136,13 +136,14 @@ def write_answers(lm: LoadedModel, examples: Sequence[Example], path: str | Path
 
 
 def as_examples(rows: Sequence[dict], path: str | Path) -> list[Example]:
-    """Training examples from answer rows; empty answers (an immediate EOS) are left out.
+    """Training examples from answer rows; empty answers (an immediate EOS) are left out; an answer
+    cut at ``--max-new-tokens`` is marked incomplete (no EOS after it in training).
 
     Raises:
         DataError: every answer is empty.
     """
-    out = [Example(r["prompt"], r["response"], f"{path}:index {r['index']}", reference=r.get("reference"))
-           for r in rows if r["response"]]
+    out = [Example(r["prompt"], r["response"], f"{path}:index {r['index']}", reference=r.get("reference"),
+                   complete=bool(r.get("stopped", True))) for r in rows if r["response"]]
     if not out:
         raise DataError(f"{path}: the base model answered every prompt with nothing; no training text.")
     return out

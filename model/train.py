@@ -1,13 +1,14 @@
-"""Train an MTP model by online self-distillation (paper 3.3, 4.1-4.4; DESIGN.md section 2).
+"""Train an MTP model by online self-distillation (paper 3.3, 4.1-4.4).
 
-    python -m model.train --base smollm2-135m --data ../shared/data/gsm8k/train.jsonl \\
-        --output runs/mtp --max-steps 1000 --batch-size 8 --lora-rank 16
+    python -m model.self_answers --data openai/gsm8k:main --out runs/self_answers/gsm8k.jsonl   # optional
+    python -m model.train --base smollm2-135m --data runs/self_answers/gsm8k.jsonl \\
+        --output runs/mtp --adapter alora --max-steps 1000 --batch-size 8 --lora-rank 16
     accelerate launch --multi_gpu --num_processes 2 -m model.train ...   # DDP (gloo on a CPU-only machine)
 
 DDP is tested (2 CPU processes, identical weights). FSDP is not: the teacher pass calls the unwrapped
 module (peft ``disable_adapter``), which assumes unsharded parameters; use DDP for LoRA / aLoRA.
 
-Each optimizer step draws one block size ``k`` in ``[2, k_max]`` and one region-grid offset, lays
+Each optimizer step draws one block size ``k`` in ``[k_min, k_max]`` and one region-grid offset, lays
 out ``--batch-size`` sequences per process with ``M`` MTP regions each
 (:mod:`model.layout`), and minimises the student-forced self-distillation loss
 (:mod:`model.objective`). Three ways to train:
@@ -18,8 +19,12 @@ out ``--batch-size`` sequences per process with ``M`` MTP regions each
 * ``--adapter alora``: activated LoRA (peft ``alora_invocation_tokens=[mask]``): real tokens use
   the base weights, only mask positions the adapter; two-phase training.
 
+Mixed precision ``auto`` is bf16 autocast wherever the device computes bf16 natively (CUDA; CPUs with
+AVX512-BF16 or AMX, :func:`model.precision.native_bf16`), float32 elsewhere.
+
 Outputs in ``--output``: ``train_log.jsonl`` (one JSON object per step), ``checkpoint-STEP/``
-(resumable: weights, optimizer, scheduler, RNG, step) and the final export: a full model
+(resumable: trainable weights, optimizer, scheduler, RNG, step, training CPU seconds),
+``exports/step-N/`` with ``--export-every N``, and the final export: a full model
 directory (tokenizer with the mask token) or an adapter directory (``mtp_adapter.json`` +
 ``mask_rows.safetensors`` + peft files) that :func:`model.checkpoint.load_checkpoint` loads.
 """
@@ -39,7 +44,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -287,8 +292,8 @@ def mix_reference(examples: Sequence[Example], share: float, seed: int) -> list[
     if share <= 0:
         return list(examples)
     rng = random.Random(f"reference-{seed}")
-    return [dataclasses.replace(ex, response=ex.reference) if ex.reference and rng.random() < share else ex
-            for ex in examples]
+    return [dataclasses.replace(ex, response=ex.reference, complete=True) if ex.reference and rng.random() < share
+            else ex for ex in examples]
 
 
 def prepare_data(cfg: TrainConfig, lm: LoadedModel, examples: Sequence[Example], accelerator: Any) -> TrainData:
@@ -613,7 +618,21 @@ def resume_run(run: Run, resume_dir: Path | None) -> None:
     state = json.loads((resume_dir / STATE_FILE).read_text())
     run.step, run.cpu_seconds = state["step"], float(state.get("cpu_seconds", 0.0))
     if run.main:
+        _truncate_log(run.output / LOG_FILE, run.step)
         print(f"resumed from {resume_dir} at step {run.step}", file=sys.stderr)
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop the log lines of steps after ``step`` (logged by a killed run after its last checkpoint,
+    about to be run again), so that the resumed log holds each step once."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines()
+    keep = [x for x in lines if not x.strip() or json.loads(x).get("step", 0) <= step or "eval" in json.loads(x)]
+    if len(keep) != len(lines):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(x + "\n" for x in keep))
+        tmp.replace(path)
 
 
 def export_snapshot(run: Run) -> Path | None:

@@ -30,12 +30,14 @@ class DataError(ValueError):
 class Example:
     """One training example: a user prompt and the response to learn (None: to be generated);
     ``reference``: the data's own answer when ``response`` is a generated one (``model.self_answers``
-    rows), so that a run can mix the two (``--reference-share``)."""
+    rows), so that a run can mix the two (``--reference-share``); ``complete``: False for a generated
+    answer cut at its token limit (no EOS is appended to it: the model had not ended there)."""
 
     prompt: str
     response: str | None
     where: str = ""
     reference: str | None = None
+    complete: bool = True
 
 
 def _row_example(row: Any, where: str, need_response: bool) -> Example | None:
@@ -59,7 +61,9 @@ def _row_example(row: Any, where: str, need_response: bool) -> Example | None:
             if not isinstance(resp, str) or not resp.strip():
                 raise DataError(f"{where}: field {rkey!r} must be a non-empty string.")
             ref = row.get("reference")
-            return Example(prompt, resp, where, reference=ref if isinstance(ref, str) and ref.strip() else None)
+            complete = not (row.get("generated_by") and row.get("stopped") is False)
+            return Example(prompt, resp, where, reference=ref if isinstance(ref, str) and ref.strip() else None,
+                           complete=complete)
     raise DataError(f"{where}: missing field 'question' or 'prompt' (rows need question/answer or "
                     f"prompt/response); found keys {sorted(row)[:8]}.")
 
@@ -129,7 +133,8 @@ def write_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
 
 
 def encode(lm: Any, examples: Sequence[Example], seq_len: int) -> tuple[list[list[int]], list[int], int]:
-    """Ground-truth sequences: ``lm.prompt_ids(prompt)`` + response tokens + EOS, cut at ``seq_len``.
+    """Ground-truth sequences: ``lm.prompt_ids(prompt)`` + response tokens + EOS (none after an
+    incomplete generated answer), cut at ``seq_len``.
 
     Prompt and response are tokenised literally: text that spells a special token stays text.
 
@@ -149,7 +154,7 @@ def encode(lm: Any, examples: Sequence[Example], seq_len: int) -> tuple[list[lis
         if ex.response is None:
             raise DataError(f"{ex.where}: no response to train on (generate them with --self-distill-answers).")
         p = lm.prompt_ids(ex.prompt)
-        r = encode_literal(tok, ex.response) + end  # response text is content, never markup
+        r = encode_literal(tok, ex.response) + (end if ex.complete else [])  # response text is content, never markup
         seq = (p + r)[:seq_len]
         if len(p) >= len(seq):
             dropped += 1

@@ -163,6 +163,8 @@ def test_kill_and_resume_equals_uninterrupted(tiny_dir, tmp_path):
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == -9, r.stderr[-2000:]
     assert (b / "checkpoint-2").is_dir() and not (b / "checkpoint-3").exists() and not (b / "final").exists()
+    with (b / "train_log.jsonl").open("a") as f:  # as if step 3 had been logged before the kill
+        f.write(json.dumps({"step": 3, "loss": 0.0}) + "\n")
     assert main(_args(tiny_dir, b, *base, "--resume", "auto")) == 0
     wa, wb = load_file(str(a / "checkpoint-4" / "model.safetensors")), load_file(str(b / "checkpoint-4" / "model.safetensors"))
     w2 = load_file(str(b / "checkpoint-2" / "model.safetensors"))
