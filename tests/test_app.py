@@ -144,7 +144,7 @@ def test_turn_matches_the_engine_and_alternates_in_abba_order(registry, lm):
 
 
 def test_second_turn_answers_the_same_conversation_on_both_sides(registry, lm):
-    """Issue 3: like with like. Both sides of turn 2 answer the same prompt: the conversation whose
+    """Like with like. Both sides of turn 2 answer the same prompt: the conversation whose
     earlier answer is the standard one; the MTP side's own earlier answer is kept for its pane only."""
     first = finish(prepare_turn(registry, "Name a colour.", [], "static k", k=2, max_new_tokens=8))[1]
     hist = history_after(first)
@@ -274,7 +274,7 @@ def _rec(i: int, seconds: float, kept: int = 1) -> PassRecord:
 
 
 def test_speed_estimate_survives_load_spikes_and_drift():
-    """Issue 8: per-pass medians of paired passes. The same computation on both sides reads 1.00
+    """Per-pass medians of paired passes. The same computation on both sides reads 1.00
     whatever happens around it: a few passes slowed 5x, load that doubles over the run."""
     import random
 
