@@ -45,9 +45,9 @@ from typing import Any, Sequence
 import torch
 
 from .checkpoint import DEFAULT_SOURCE, REPO_ROOT, CheckpointError, LoadedModel, load_checkpoint
-from .decoding import Decoder, check_max_new_tokens, hf_generate
+from .decoding import Decoder, hf_generate
 from .evaluate import load_problems, make_prompt
-from .strategies import parse_strategies
+from .strategies import check_max_new_tokens, parse_strategies
 
 HF = "hf_generate"
 DEFAULT_DATA = REPO_ROOT / "assets" / "gsm8k_test_sample.jsonl"

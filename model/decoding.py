@@ -27,31 +27,14 @@ prompt + generated``. The app, the evaluation and the benchmark consume pass rec
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from .checkpoint import LoadedModel
-from .strategies import (  # noqa: F401 - the strategy vocabulary is re-exported for callers of decoding
-    DEFAULT_K_MAX,
-    MAX_K_MAX,
-    ConfAdapt,
-    Standard,
-    StaticK,
-    Strategy,
-    Verify,
-    check_max_new_tokens,
-    confadapt,
-    make_strategy,
-    parse_strategies,
-    parse_strategy,
-    standard,
-    static_k,
-    verify,
-)
+from .strategies import Strategy, check_max_new_tokens
 from .text import continues_utf8, open_utf8_bytes, text_bytes
 
 

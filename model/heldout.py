@@ -36,7 +36,8 @@ from typing import Any, Sequence
 import torch
 
 from .checkpoint import DEFAULT_SOURCE, CheckpointError, LoadedModel, load_checkpoint
-from .decoding import Decoder, confadapt
+from .decoding import Decoder
+from .strategies import confadapt
 from .layout import place_regions
 from .train_data import DataError, Example, encode, load_examples
 

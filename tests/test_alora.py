@@ -10,7 +10,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from model.checkpoint import load_checkpoint, wrap_model
-from model.decoding import Decoder, confadapt, generate, hf_generate, standard
+from model.decoding import Decoder, generate, hf_generate
+from model.strategies import confadapt, standard
 from model.layout import build_layout, build_span_layout, place_regions
 from model.objective import alora_objective, phase1_prefix, phase2_logits, student_logits
 from model.train import TrainConfig, export_model, load_for_training, main

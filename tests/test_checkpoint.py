@@ -17,7 +17,8 @@ from model.checkpoint import (
     load_checkpoint,
     smollm2_gguf_path,
 )
-from model.decoding import confadapt, generate, standard
+from model.decoding import generate
+from model.strategies import confadapt, standard
 from tests.conftest import make_tiny
 
 

@@ -9,16 +9,8 @@ import pytest
 import torch
 
 from model.checkpoint import wrap_model
-from model.decoding import (
-    Decoder,
-    confadapt,
-    generate,
-    hf_generate,
-    make_strategy,
-    parse_strategy,
-    standard,
-    static_k,
-)
+from model.decoding import Decoder, generate, hf_generate
+from model.strategies import confadapt, make_strategy, parse_strategy, standard, static_k
 from tests.conftest import make_tiny
 
 PROMPTS = [

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from model.answers import extract_answer, extract_gold, is_correct, normalize_number
-from model.decoding import Decoder, confadapt, standard, static_k
+from model.decoding import Decoder
+from model.strategies import confadapt, standard, static_k
 from model.evaluate import (
     STEP_BY_STEP, evaluate, load_problems, main, make_prompt, pareto_figure, parse_strategies, rescore, teacher_nll,
     write_figure,

@@ -30,7 +30,8 @@ from transformers import DynamicCache
 
 from model.checkpoint import load_checkpoint, resolve_dtype, wrap_model
 from model.precision import native_bf16
-from model.decoding import Decoder, confadapt, generate, hf_generate, standard, static_k, verify
+from model.decoding import Decoder, generate, hf_generate
+from model.strategies import confadapt, standard, static_k, verify
 from model.fast_forward import KVCache, Unsupported, build_engine
 from tests.conftest import make_tiny
 

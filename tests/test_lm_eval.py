@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from lm_eval.api.instance import Instance
 
-from model.decoding import Decoder, confadapt, standard
+from model.decoding import Decoder
+from model.strategies import confadapt, standard
 from model.evaluate import teacher_logprob, teacher_nll
 from model.lm_eval_mtp import MTPLM
 

@@ -13,10 +13,9 @@ import pytest
 import torch
 
 from model.checkpoint import wrap_model
-from model.decoding import (ContextBudgetError, Decoder, NonFiniteLogitsError, cut_broken_utf8, generate,
-                            hf_generate, run, standard, static_k, verify)
-from model.strategies import confadapt
-from model.text import TokenBytes, chat_prompt_ids, continues_utf8, encode_literal, open_utf8_bytes
+from model.decoding import ContextBudgetError, Decoder, NonFiniteLogitsError, cut_broken_utf8, generate, hf_generate, run
+from model.strategies import confadapt, standard, static_k, verify
+from model.text import chat_prompt_ids, continues_utf8, open_utf8_bytes
 from model.train_data import Example, encode
 from tests.conftest import ROOT, make_tiny
 

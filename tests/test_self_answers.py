@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from model.checkpoint import wrap_model
-from model.decoding import Decoder, standard
+from model.decoding import Decoder
+from model.strategies import standard
 from model.self_answers import as_examples, greedy_answers, main, write_answers
 from model.train import TrainConfig, mix_reference, train
 from model.train_data import Example, load_examples

@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from model.decoding import Decoder, confadapt, generate, hf_generate, standard, static_k
+from model.decoding import Decoder, generate, hf_generate
+from model.strategies import confadapt, standard, static_k
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration

@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model.checkpoint import load_checkpoint, wrap_model
-from model.decoding import Decoder, confadapt
+from model.checkpoint import load_checkpoint
+from model.decoding import Decoder
+from model.strategies import confadapt
 from model.train import TrainConfig, export_model, load_for_training, main, train
-from model.train_data import Example, encode
 from tests.conftest import ROOT, make_tiny, mtp_run, pretrained_teacher
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT),

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from model.checkpoint import wrap_model
-from model.decoding import Decoder, generate, run, standard, verify
+from model.decoding import Decoder, generate, run
+from model.strategies import standard, verify
 from tests.conftest import make_tiny, mtp_run, pretrained_teacher
 
 PROMPTS = [
