@@ -471,8 +471,14 @@ def _load_hf(
     tok_kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(where, **tok_kwargs)
     model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
-    if cache is not None and gguf_file and bnb is None:
-        _write_gguf_cache(model, tokenizer, cache)
+    if cache is not None and gguf_file and bnb is None and _write_gguf_cache(model, tokenizer, cache):
+        # Load the copy just written: transformers marks a GGUF-loaded model as quantized (its weights are
+        # plain dequantised tensors), which would keep the first run on the library path; every later run
+        # loads the copy, so the first one does too.
+        del model
+        tokenizer = AutoTokenizer.from_pretrained(str(cache))
+        kwargs.pop("gguf_file", None)
+        model = AutoModelForCausalLM.from_pretrained(str(cache), **kwargs)
     if bnb is None:
         model.to(device)
     return model, tokenizer
@@ -496,8 +502,11 @@ def _gguf_cache_dir(gguf: Path) -> Path | None:
     return root / f"{gguf.stem}-{size}-{h.hexdigest()[:12]}"
 
 
-def _write_gguf_cache(model: Any, tokenizer: Any, cache: Path) -> None:
-    """Save a GGUF-loaded model as a plain safetensors model directory (written atomically)."""
+def _write_gguf_cache(model: Any, tokenizer: Any, cache: Path) -> bool:
+    """Save a GGUF-loaded model as a plain safetensors model directory (written atomically).
+
+    Returns True when ``cache`` holds the copy (written here or by a concurrent process), False when
+    it could not be written (the caller keeps the GGUF-loaded model)."""
     import copy
     import shutil
     import tempfile
@@ -516,10 +525,12 @@ def _write_gguf_cache(model: Any, tokenizer: Any, cache: Path) -> None:
         save_model(model, str(tmp / "model.safetensors"))
         tokenizer.save_pretrained(str(tmp))
         tmp.rename(cache)
+        return True
     except OSError as e:  # read-only or full disk, or another process won the race: go on without
         log.info("Not caching the dequantised GGUF in %s: %s", cache, e)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        return (cache / "config.json").is_file()
 
 
 def load_checkpoint(

@@ -135,8 +135,14 @@ def test_bad_dtype(tiny_dir):
 
 
 @pytest.mark.integration
-def test_gguf_file_source_is_the_default_base(smollm2):
+def test_gguf_file_source_is_the_default_base(smollm2, tmp_path, monkeypatch):
+    """A first load (empty cache: the GGUF is parsed and its dequantised copy written) gives the same
+    model and forward path as every later load from the copy: plain weights, the fast path."""
+    monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path / "cache"))
     lm = load_checkpoint(str(smollm2_gguf_path()), device="cpu")
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    assert lm.forward_path.startswith("fast path"), lm.forward_path
+    assert not getattr(lm.model, "is_quantized", False)
     assert type(lm.model).__name__ == "LlamaForCausalLM"
     assert lm.model.config.num_hidden_layers == 30 and lm.model.config.hidden_size == 576
     assert lm.mask_token_id == 49152 == smollm2.mask_token_id
