@@ -18,7 +18,17 @@ import sys
 
 from .checkpoint import DEFAULT_SOURCE, CheckpointError, load_checkpoint
 from .decoding import Decoder, NonFiniteLogitsError
-from .strategies import DEFAULT_STATIC_K, DEFAULT_TAU, STRATEGY_NAMES, check_max_new_tokens, make_strategy
+from .strategies import (
+    DEFAULT_K_MAX,
+    DEFAULT_STATIC_K,
+    DEFAULT_TAU,
+    SPEC_HELP,
+    STRATEGY_NAMES,
+    Strategy,
+    check_max_new_tokens,
+    make_strategy,
+    parse_strategy,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m model.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_SOURCE, help="smollm2-135m, a local dir / .gguf, or a hub id")
     p.add_argument("--prompt", required=True, help="the user message")
-    p.add_argument("--strategy", default="confadapt", choices=STRATEGY_NAMES)
+    p.add_argument("--strategy", default="confadapt",
+                   help=f"{', '.join(STRATEGY_NAMES)} (with --threshold / --k-max / --k), or a spec: {SPEC_HELP}")
     p.add_argument("--threshold", "--tau", dest="tau", type=float, default=DEFAULT_TAU, help="ConfAdapt threshold tau")
     p.add_argument("--k-max", type=int, default=None,
                    help="proposals per forward pass (default: the adapter's trained k_max, else 16)")
@@ -42,18 +53,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cli_strategy(args: argparse.Namespace, default_k_max: int | None) -> Strategy:
+    """The strategy of ``--strategy``: a name with the --threshold / --k-max / --k options, or a spec such
+    as ``confadapt:0.9`` whose missing k_max is ``--k-max``, else ``default_k_max``.
+
+    Raises:
+        ValueError: an unknown name, a malformed spec or an out-of-range option.
+    """
+    name = args.strategy.strip().lower()
+    if ":" in name:
+        return parse_strategy(name, args.k_max or default_k_max or DEFAULT_K_MAX)
+    if name not in STRATEGY_NAMES:
+        raise ValueError(f"Unknown strategy {args.strategy!r}: use {', '.join(STRATEGY_NAMES)} or a spec "
+                         f"({SPEC_HELP}).")
+    k_max = args.k_max if args.k_max is not None else (None if name == "static" else default_k_max)
+    return make_strategy(name, tau=args.tau, k_max=k_max, k=args.k)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 bad input)."""
     args = build_parser().parse_args(argv)
     try:
-        make_strategy(args.strategy, tau=args.tau, k_max=args.k_max, k=args.k)  # bad arguments fail before loading
+        cli_strategy(args, None)  # bad arguments fail before loading
         check_max_new_tokens(args.max_new_tokens)
         if not args.prompt.strip():
             raise ValueError("The prompt is empty: pass --prompt with some text.")
         lm = load_checkpoint(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
                              adapter=not args.no_adapter)
-        k_max = args.k_max if args.k_max is not None else (None if args.strategy == "static" else lm.default_k_max)
-        strategy = make_strategy(args.strategy, tau=args.tau, k_max=k_max, k=args.k)
+        strategy = cli_strategy(args, lm.default_k_max)
         dec = Decoder(lm, lm.prompt_ids(args.prompt), strategy, args.max_new_tokens)
     except (ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -83,6 +83,21 @@ def test_cli_json(smollm2):
     assert obj["text"] == generate(smollm2, "What is 2+2?", confadapt(0.9, 16), 16).text
 
 
+def test_cli_strategy_spec_equals_its_options():
+    """``--strategy confadapt:0.7`` is ``--strategy confadapt --threshold 0.7``; a spec's missing k_max is
+    the adapter's trained one, as for the options."""
+    from model.generate import build_parser, cli_strategy
+
+    def strat(*argv, default_k_max=4):
+        return cli_strategy(build_parser().parse_args(["--prompt", "x", *argv]), default_k_max)
+
+    assert strat("--strategy", "confadapt:0.7") == strat("--strategy", "confadapt", "--threshold", "0.7")
+    assert strat("--strategy", "confadapt:0.7").k_max == 4
+    assert strat("--strategy", "verify:8") == strat("--strategy", "verify", "--k-max", "8")
+    assert strat("--strategy", "static:2") == strat("--strategy", "static", "--k", "2")
+    assert strat("--strategy", " Standard ") == standard()
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -93,9 +108,13 @@ def test_cli_json(smollm2):
         (["--prompt", "hi", "--model", "no/such/model/path"], "No such local model"),
         (["--prompt", "hi", "--model", "bogus source"], "Unknown model source"),
         (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+        (["--prompt", "hi", "--strategy", "bogus"], "Unknown strategy 'bogus'"),
+        (["--prompt", "hi", "--strategy", "confadapt:1.5"], "tau must be in"),
+        (["--prompt", "hi", "--strategy", "static:abc"], "Bad strategy 'static:abc'"),
     ],
 )
 def test_cli_bad_input(args, message, capsys):
+    """Bad arguments: exit 2 and one ``error:`` line, before any model is loaded."""
     from model.generate import main
 
     assert main(args) == 2  # in-process: the same entry point as `python -m model.generate`
