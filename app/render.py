@@ -187,7 +187,7 @@ def speed_html(state: TurnState | None) -> str:
                     "pass (medians)")
     else:
         bits.append(f"effective k {k:.2f}")
-    bits.append(f"the plain sums of pass times give {sp.raw_ratio:.2f}×")
+    bits.append(f"from the plain sums of pass times, which load spikes skew: {times_text(sp.raw_ratio)}")
     if state.turn.strategy.verifies:
         agree = "identical answers: lossless, as it must be" if state.identical else _parting(state)
     else:
