@@ -62,7 +62,7 @@ def cli_strategy(args: argparse.Namespace, default_k_max: int | None) -> Strateg
     """
     name = args.strategy.strip().lower()
     if ":" in name:
-        return parse_strategy(name, args.k_max or default_k_max or DEFAULT_K_MAX)
+        return parse_strategy(name, args.k_max if args.k_max is not None else (default_k_max or DEFAULT_K_MAX))
     if name not in STRATEGY_NAMES:
         raise ValueError(f"Unknown strategy {args.strategy!r}: use {', '.join(STRATEGY_NAMES)} or a spec "
                          f"({SPEC_HELP}).")

@@ -111,6 +111,7 @@ def test_cli_strategy_spec_equals_its_options():
         (["--prompt", "hi", "--strategy", "bogus"], "Unknown strategy 'bogus'"),
         (["--prompt", "hi", "--strategy", "confadapt:1.5"], "tau must be in"),
         (["--prompt", "hi", "--strategy", "static:abc"], "Bad strategy 'static:abc'"),
+        (["--prompt", "hi", "--strategy", "confadapt:0.9", "--k-max", "0"], "k_max must be"),
     ],
 )
 def test_cli_bad_input(args, message, capsys):
