@@ -167,7 +167,7 @@ def decode_effective_k(lm: LoadedModel, prompts: Sequence[str], references: Sequ
             passes += r.forward_passes
             per.append(r.new_tokens / max(r.forward_passes, 1))
             if references is not None:  # compared as text: token ids need not survive a decode/encode round trip
-                body = [t for t in r.token_ids if t not in lm.stop_token_ids]
+                body = [tok for tok in r.token_ids if tok not in lm.stop_token_ids]
                 text = lm.tokenizer.decode(body, skip_special_tokens=True).strip()
                 ended = len(body) < len(r.token_ids)
                 same += int(text == references[i].strip() if ended else references[i].strip().startswith(text))

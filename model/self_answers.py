@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 
 from .checkpoint import DEFAULT_SOURCE, CheckpointError, LoadedModel, load_checkpoint
-from .train_data import DataError, Example, load_examples
+from .train_data import DataError, Example, answer_is_complete, load_examples
 
 
 def greedy_answers(lm: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
@@ -143,7 +143,7 @@ def as_examples(rows: Sequence[dict], path: str | Path) -> list[Example]:
         DataError: every answer is empty.
     """
     out = [Example(r["prompt"], r["response"], f"{path}:index {r['index']}", reference=r.get("reference"),
-                   complete=bool(r.get("stopped", True))) for r in rows if r["response"]]
+                   complete=answer_is_complete(r)) for r in rows if r["response"]]
     if not out:
         raise DataError(f"{path}: the base model answered every prompt with nothing; no training text.")
     return out

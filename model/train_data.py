@@ -40,6 +40,12 @@ class Example:
     complete: bool = True
 
 
+def answer_is_complete(row: dict) -> bool:
+    """False for a generated answer row (``model.self_answers``: ``generated_by`` set) cut at its token
+    limit (``stopped`` false): the model had not ended there, so no EOS follows it in training."""
+    return not (row.get("generated_by") and row.get("stopped") is False)
+
+
 def _row_example(row: Any, where: str, need_response: bool) -> Example | None:
     """The row's example; None for a generated answer that is empty (the model answered with an
     immediate EOS: ``model.self_answers`` keeps such rows, marked ``generated_by``, to know they are done)."""
@@ -61,9 +67,8 @@ def _row_example(row: Any, where: str, need_response: bool) -> Example | None:
             if not isinstance(resp, str) or not resp.strip():
                 raise DataError(f"{where}: field {rkey!r} must be a non-empty string.")
             ref = row.get("reference")
-            complete = not (row.get("generated_by") and row.get("stopped") is False)
             return Example(prompt, resp, where, reference=ref if isinstance(ref, str) and ref.strip() else None,
-                           complete=complete)
+                           complete=answer_is_complete(row))
     raise DataError(f"{where}: missing field 'question' or 'prompt' (rows need question/answer or "
                     f"prompt/response); found keys {sorted(row)[:8]}.")
 
