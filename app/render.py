@@ -198,9 +198,13 @@ def speed_html(state: TurnState | None) -> str:
 
 
 def _parting(state: TurnState) -> str:
-    """Why a lossless answer differs from standard decoding's: where they part and how close the call was."""
+    """Why a lossless answer differs from standard decoding's: where they part and how close the call was.
+    While a turn runs, or after Stop, one side is ahead of the other: a shorter answer that is a prefix of
+    the longer one has not parted from it."""
     std, mtp = state.standard.token_ids, state.mtp.token_ids
-    i = next((i for i, (a, b) in enumerate(zip(std, mtp)) if a != b), min(len(std), len(mtp)))
+    i = next((i for i, (a, b) in enumerate(zip(std, mtp)) if a != b), None)
+    if i is None:
+        return f"identical so far: the first {min(len(std), len(mtp))} tokens agree and one side is further ahead"
     conf = state.standard.passes[i].confidences[0] if i < len(state.standard.passes) else None
     close = f" (standard decoding's top candidate there had probability {conf:.2f})" if conf is not None else ""
     dt = dtype_name(state.turn.lm) or "this precision"

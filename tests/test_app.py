@@ -219,6 +219,22 @@ def test_lossless_turn_equals_standard_and_its_figure_marks_the_drafts(registry)
     assert any(r.correction is not None for r in last.mtp.passes) or any(r.drafts_accepted for r in last.mtp.passes)
 
 
+def test_lossless_answer_ahead_of_standard_is_identical_so_far(registry):
+    """While a turn runs (or after Stop) one side is ahead: a shorter answer that is a prefix of the other
+    is not a parting. In float32 lossless decoding never parts, so no running state may say it does."""
+    turn = prepare_turn(registry, "Tell me a story about a dragon.", [], "lossless", 0.9, 4, 3, 24, FP32)
+    ahead = 0
+    for state in run_turn(turn):
+        line = render.speed_html(state)
+        assert "part at" not in line, line
+        if state.speed is not None and not state.identical:
+            ahead += 1
+            n = min(len(state.standard.token_ids), len(state.mtp.token_ids))
+            assert f"identical so far: the first {n} tokens agree" in line, line
+    assert state.identical and "identical answers: lossless" in render.speed_html(state)
+    assert ahead > 0  # verify keeps more than one token per pass, so it runs ahead of standard decoding
+
+
 def test_lossless_in_bf16_says_where_and_why_the_answers_part(registry):
     """In bf16 a pass over several tokens rounds differently from a one-token pass: at a near-tie the
     lossless answer can part from standard decoding's, and the page says where and why. (This GSM8K
