@@ -177,7 +177,8 @@ def figure_caption(strategy_choice: str) -> str:
                 "that place")
     else:
         body = (f"{sw(figures.FIRST)} the first proposal, the model's next token: always kept, whatever its "
-                f"confidence · {sw(figures.KEPT)} kept · {sw(figures.REJECTED)} dropped"
+                f"confidence · {sw(figures.KEPT)} kept · {sw(figures.CUT)} accepted, then cut by a stop token or the token "
+                f"limit · {sw(figures.REJECTED)} dropped"
                 + (" · dashed line: tau" if strategy_choice == "ConfAdapt" else ""))
     return f'<p class="mtp-fig-caption">Forward passes of the MTP side, one frame each (▶ Play). {body}</p>'
 

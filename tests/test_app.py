@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app import figures, render
+from app import figures, render, ui
 from app.runner import (
     APP_MAX_K_MAX,
     APP_MAX_NEW_TOKENS,
@@ -371,6 +371,13 @@ def _luminance(hex_colour: str) -> float:
     rgb = [int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)]
     lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
     return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+
+def test_figure_caption_names_every_colour_the_figure_uses():
+    """Each colour a ConfAdapt / static k frame can draw has a swatch in the caption above the figure."""
+    caption = ui.figure_caption("ConfAdapt")
+    for colour in (figures.FIRST, figures.KEPT, figures.CUT, figures.REJECTED):
+        assert f"background:{colour}" in caption, colour
 
 
 def test_block_colours_keep_text_readable():
