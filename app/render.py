@@ -188,23 +188,23 @@ def speed_html(state: TurnState | None) -> str:
     else:
         bits.append(f"effective k {k:.2f}")
     bits.append(f"from the plain sums of pass times, which load spikes skew: {times_text(sp.raw_ratio)}")
-    if state.turn.strategy.verifies:
-        agree = "identical answers: lossless, as it must be" if state.identical else _parting(state)
+    verifies = state.turn.strategy.verifies
+    parted = state.parted_at
+    if state.identical:
+        agree = "identical answers: lossless, as it must be" if verifies else "identical answers"
+    elif parted is None:
+        n = min(len(state.standard.token_ids), len(state.mtp.token_ids))
+        agree = f"identical so far: the first {n} tokens agree and one side is further ahead"
     else:
-        agree = "identical answers" if state.identical else "the answers differ"
+        agree = _parting(state, parted) if verifies else "the answers differ"
     bits.append(agree)
     return (f'<div class="mtp-speed" data-ratio="{sp.ratio:.4f}">{head} ({"; ".join(esc(b) for b in bits)}).'
             "</div>")
 
 
-def _parting(state: TurnState) -> str:
-    """Why a lossless answer differs from standard decoding's: where they part and how close the call was.
-    While a turn runs, or after Stop, one side is ahead of the other: a shorter answer that is a prefix of
-    the longer one has not parted from it."""
-    std, mtp = state.standard.token_ids, state.mtp.token_ids
-    i = next((i for i, (a, b) in enumerate(zip(std, mtp)) if a != b), None)
-    if i is None:
-        return f"identical so far: the first {min(len(std), len(mtp))} tokens agree and one side is further ahead"
+def _parting(state: TurnState, i: int) -> str:
+    """Why a lossless answer differs from standard decoding's at token position ``i`` (0-based, where they
+    part): how close the call was there, and why a wide pass can decide it differently."""
     conf = state.standard.passes[i].confidences[0] if i < len(state.standard.passes) else None
     close = f" (standard decoding's top candidate there had probability {conf:.2f})" if conf is not None else ""
     dt = dtype_name(state.turn.lm) or "this precision"

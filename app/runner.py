@@ -477,6 +477,13 @@ class TurnState:
         """Both answers are the same text."""
         return self.standard.text == self.mtp.text
 
+    @property
+    def parted_at(self) -> int | None:
+        """The first token position (0-based) where the two answers differ; None while one answer is a
+        prefix of the other (a side that is ahead while the turn runs, or after Stop) or both are the same."""
+        pairs = zip(self.standard.token_ids, self.mtp.token_ids)
+        return next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+
 
 def run_turn(
     turn: Turn,
