@@ -25,8 +25,8 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
-from model.decoding import PassRecord
-from model.strategies import Strategy
+from model.engine.decoding import PassRecord
+from model.engine.strategies import Strategy
 
 #: plotly.js shipped with the plotly package; the app serves it with ``gr.set_static_paths``.
 PLOTLY_JS = Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
@@ -55,7 +55,7 @@ def _token_label(text: str) -> str:
     return shown if len(shown) <= 12 else shown[:11] + "…"
 
 
-def _widths(records: Sequence[PassRecord], upto: int) -> dict:
+def _kept_bars(records: Sequence[PassRecord], upto: int) -> dict:
     xs = [r.index + 1 for r in records[: upto + 1]]
     ys = [len(r.kept) for r in records[: upto + 1]]
     colours = [BAR_NOW if i == upto else BAR_PAST for i in range(upto + 1)]
@@ -172,7 +172,7 @@ def passes_figure(records: Sequence[PassRecord], strategy: Strategy | None) -> d
         return out
 
     def traces(i: int) -> list[dict]:
-        return [_widths(records, i), _verify_bars(records, i) if verifies else _block_bars(records[i])]
+        return [_kept_bars(records, i), _verify_bars(records, i) if verifies else _block_bars(records[i])]
 
     last = n - 1
     for t, row in zip(traces(last), (1, 2)):

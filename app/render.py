@@ -15,9 +15,9 @@ import re
 import statistics
 from typing import Any, Sequence
 
-from model.checkpoint import LoadedModel
-from model.decoding import GenerationResult, PassRecord
-from model.strategies import Strategy
+from model.engine.loaded_model import LoadedModel
+from model.engine.decoding import GenerationResult, PassRecord
+from model.engine.strategies import Strategy
 
 from .runner import SpeedEstimate, TurnState
 
@@ -216,17 +216,17 @@ def _parting(state: TurnState, i: int) -> str:
 #: Background colours for blocks of 2, 3, 4, ... tokens (the last repeats); all light enough for
 #: dark text at a contrast of at least 7:1. A pass of one token (what standard decoding does) stays
 #: plain text, so the answer reads as text and the multi-token blocks stand out.
-WIDTH_COLOURS = ("#cfe3f7", "#c9efc4", "#fff2a8", "#ffd9a8", "#ffc2c2", "#e8c9f5", "#c2f0ec")
+KEPT_COLOURS = ("#cfe3f7", "#c9efc4", "#fff2a8", "#ffd9a8", "#ffc2c2", "#e8c9f5", "#c2f0ec")
 TEXT_ON_COLOUR = "#111111"
 
 
-def width_colour(width: int) -> str | None:
-    """Background colour of a block of ``width`` tokens (None for one token: plain text)."""
-    return None if width <= 1 else WIDTH_COLOURS[min(width - 1, len(WIDTH_COLOURS)) - 1]
+def kept_colour(kept: int) -> str | None:
+    """Background colour of a pass that kept ``kept`` tokens (None for one token: plain text)."""
+    return None if kept <= 1 else KEPT_COLOURS[min(kept - 1, len(KEPT_COLOURS)) - 1]
 
 
-def _width_style(width: int) -> str:
-    colour = width_colour(width)
+def _kept_style(kept: int) -> str:
+    colour = kept_colour(kept)
     return f' style="background:{colour};color:{TEXT_ON_COLOUR}"' if colour else ""
 
 
@@ -248,24 +248,24 @@ def _pass_title(rec: PassRecord, strategy: Strategy | None) -> str:
 def figure1_html(records: Sequence[PassRecord], strategy: Strategy | None = None) -> str:
     """The MTP answer as running text, one coloured span per forward pass (the paper's Figure 1).
 
-    Colour = block width (tokens the pass added); hovering a span gives the pass number, its width,
+    Colour = tokens the pass kept; hovering a span gives the pass number, the tokens it kept,
     the confidences (or, when verifying, the drafts accepted) and why the block ended. Newlines
     are shown as ``↵`` marks (CSS, not text) so that a pass that emitted only a newline stays
-    visible. Passes of one token stay plain text; a legend lists the widths that occur.
+    visible. Passes of one token stay plain text; a legend lists the counts that occur.
     """
-    spans, widths = [], set()
+    spans, counts = [], set()
     for r in records:
         if not r.text:
             continue
         w = len(r.kept)
-        widths.add(w)
+        counts.add(w)
         body = esc(r.text).replace("\n", '<span class="mtp-nl" aria-hidden="true"></span>\n')
         spans.append(f'<span class="mtp-blk{" mtp-multi" if w > 1 else ""}" data-pass="{r.index + 1}" '
-                     f'data-width="{w}"{_width_style(w)} title="{esc(_pass_title(r, strategy))}">{body}</span>')
+                     f'data-kept="{w}"{_kept_style(w)} title="{esc(_pass_title(r, strategy))}">{body}</span>')
     if not spans:
         return ('<div class="mtp-fig1-wrap"><div class="mtp-fig1-empty">The MTP answer, coloured by forward '
                 "pass, appears here.</div></div>")
-    legend = "".join(f'<span class="mtp-legend-item"{_width_style(w)}>{w}</span>' for w in sorted(widths))
+    legend = "".join(f'<span class="mtp-legend-item"{_kept_style(w)}>{w}</span>' for w in sorted(counts))
     return ('<div class="mtp-fig1-wrap"><div class="mtp-legend"><span>tokens per forward pass:</span> '
             f'{legend}<span class="mtp-legend-hint">(hover a span for its pass)</span></div>'
             f'<div class="mtp-fig1" dir="auto">{"".join(spans)}</div></div>')
@@ -392,7 +392,7 @@ def summary(state: TurnState | None, *, status: str = "", kind: str = "info") ->
                 "forward_passes": res.forward_passes, "effective_k": round(res.effective_k, 4),
                 "seconds": round(res.seconds, 6), "tokens_per_second": round(res.tokens_per_second, 3),
                 "pass_seconds": [round(p.seconds, 6) for p in res.passes],
-                "block_widths": [len(p.kept) for p in res.passes]}
+                "kept_per_pass": [len(p.kept) for p in res.passes]}
 
     sp = state.speed
     speed = None if sp is None else {

@@ -1,11 +1,11 @@
 """One chat turn, standard decoding against an MTP strategy, without any Gradio type (paper 3.4, 4.5).
 
 * :func:`prepare_turn` validates a request with the engine's own vocabulary
-  (:mod:`model.strategies`) plus the app's limits below, finds the model, builds the messages and
+  (:mod:`model.engine.strategies`) plus the app's limits below, finds the model, builds the messages and
   the prompt ids, and checks the context budget: a :class:`Turn`, or a :class:`RequestError` with a
   message meant for the page.
 * :func:`run_turn` runs a turn: one forward pass of each side in turn, yielding a
-  :class:`TurnState` (plain records: the engine's :class:`~model.decoding.GenerationResult` of each
+  :class:`TurnState` (plain records: the engine's :class:`~model.engine.decoding.GenerationResult` of each
   side) after every pass, and a last state that says how the turn ended (done, stopped, cleared,
   error).
 * :class:`SessionRuns` allows one run per session at a time and carries Stop / Clear to it.
@@ -37,23 +37,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from model.checkpoint import DEFAULT_SOURCE, CheckpointError, LoadedModel, load_checkpoint
-from model.decoding import (
-    ContextBudgetError,
-    Decoder,
-    GenerationResult,
-    NonFiniteLogitsError,
-    PassRecord,
-    check_context_budget,
-)
-from model.strategies import (
-    DEFAULT_TAU,
-    Strategy,
-    check_max_new_tokens,
-    make_strategy,
-    parse_whole_number,
-    standard,
-)
+from model.engine.decoding import Decoder, GenerationResult, PassRecord
+from model.engine.loaded_model import LoadedModel
+from model.engine.loading import DEFAULT_SOURCE, load_checkpoint
+from model.engine.strategies import DEFAULT_TAU, Strategy, check_max_new_tokens, resolve_strategy, standard
+from model.errors import CheckpointError, NonFiniteLogitsError, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +61,14 @@ MAX_MESSAGE_CHARS = int(os.environ.get("MTP_APP_MAX_MESSAGE_CHARS", "16000"))
 QUANTIZATIONS = ("none", "4bit", "8bit")
 #: Precisions a model can be loaded in: auto = bfloat16 where the device computes it natively, else float32.
 PRECISIONS = ("auto", "float32", "bfloat16")
-#: The MTP strategies of the right pane, as the page labels them (the engine reads these labels).
-STRATEGY_CHOICES = ("ConfAdapt", "static k", "lossless")
+#: The MTP strategies of the right pane: the page's label -> the engine's strategy name.
+STRATEGY_LABELS = {"ConfAdapt": "confadapt", "static k": "static", "lossless": "verify"}
+STRATEGY_CHOICES = tuple(STRATEGY_LABELS)
+
+
+def choice_of(strategy: Strategy) -> str:
+    """The page's label of an engine strategy (``verify`` -> ``lossless``)."""
+    return next((label for label, name in STRATEGY_LABELS.items() if name == strategy.name), "ConfAdapt")
 
 #: Serialises forward passes (and the page's rendering) across sessions: honest per-pass timing.
 FORWARD_LOCK = threading.Lock()
@@ -83,10 +77,6 @@ FORWARD_LOCK = threading.Lock()
 def exclusive(lock: threading.Lock = FORWARD_LOCK) -> contextlib.AbstractContextManager:
     """Context in which no forward pass of any session runs (hold it for CPU-heavy rendering)."""
     return lock
-
-
-class RequestError(ValueError):
-    """A request the app refuses, with a message meant for the page."""
 
 
 # ---------------------------------------------------------------------------- validation
@@ -152,25 +142,32 @@ def parse_history(history: Any) -> list[dict]:
     return out
 
 
-def app_strategy(name: Any, tau: Any = DEFAULT_TAU, k_max: Any = None, k: Any = None) -> Strategy:
-    """The right pane's MTP strategy from the page's controls.
+def app_strategy(choice: Any, tau: Any = DEFAULT_TAU, k_max: Any = None, k: Any = None,
+                 default_k_max: int | None = None) -> Strategy:
+    """The right pane's MTP strategy from the page's controls, in one call to the engine's
+    :func:`~model.engine.strategies.resolve_strategy` with the app's cap :data:`APP_MAX_K_MAX`.
 
-    The engine's :func:`~model.strategies.make_strategy` reads the name (``ConfAdapt``, ``static
-    k``, ``lossless``) and checks the parameters the strategy uses; the app adds its own upper
-    bound :data:`APP_MAX_K_MAX` on k_max (static: k).
+    Args:
+        choice: the page's label (:data:`STRATEGY_LABELS`; case ignored) or the engine's name.
+        tau, k_max, k: the controls (static k has no k_max control: ``k`` is its block size).
+        default_k_max: the model's k_max, used when ``k_max`` is None.
 
     Raises:
-        RequestError: unknown name, standard (the right pane is MTP), or a bad parameter.
+        RequestError: an unknown label or a bad parameter.
     """
+    key = str(choice or "").strip().lower()
+    names = {**{label.lower(): name for label, name in STRATEGY_LABELS.items()},
+             **{name: name for name in STRATEGY_LABELS.values()}}  # API clients may use the engine's names
+    name = names.get(key)
+    if name is None:
+        if key == "standard":
+            raise RequestError(f"The right pane needs an MTP strategy: choose {', '.join(STRATEGY_CHOICES)}.")
+        raise RequestError(f"Unknown strategy {choice!r}: choose {', '.join(STRATEGY_CHOICES)}.")
+    if tau is None and name == "confadapt":
+        raise RequestError("The threshold tau is empty: enter a number from 0 to 1.")
     try:
-        kind = make_strategy(name).name  # the engine normalises the name; defaults are valid
-        if kind == "standard":
-            raise ValueError(f"The right pane needs an MTP strategy: choose {', '.join(STRATEGY_CHOICES)}.")
-        if kind == "static":  # static k has no k_max control in the page: k is the block size
-            parse_whole_number(k, "k", 1, APP_MAX_K_MAX)
-            return make_strategy(kind, k=k)
-        parse_whole_number(k_max, "k_max", 1, APP_MAX_K_MAX)
-        return make_strategy(kind, tau=tau, k_max=k_max)
+        return resolve_strategy(name, tau=tau, k_max=None if name == "static" else k_max, k=k,
+                                default_k_max=default_k_max or APP_MAX_K_MAX, cap=APP_MAX_K_MAX)
     except ValueError as e:
         raise RequestError(str(e)) from None
 
@@ -194,7 +191,7 @@ class ModelRegistry:
     """Models loaded once and cached per ``(source, quantization, precision)`` (least recently used first out).
 
     Args:
-        loader: the engine's :func:`model.checkpoint.load_checkpoint` (or a compatible callable).
+        loader: the engine's :func:`model.engine.loading.load_checkpoint` (or a compatible callable).
         capacity: how many models stay loaded.
     """
 
@@ -268,6 +265,8 @@ class Turn:
         prompt_ids: the prompt both sides answer (history with the standard answers + message).
         number: 1-based turn number.
         model_key: ``(source, quantization, precision)`` of ``lm``.
+        sides: the two decoders, ``{"standard": ..., "mtp": ...}``, made (and so checked against the
+            model's context) when the turn is prepared; :func:`run_turn` runs them.
     """
 
     lm: LoadedModel
@@ -278,6 +277,7 @@ class Turn:
     prompt_ids: list[int]
     number: int
     model_key: tuple[str, str, str] = (DEFAULT_SOURCE, "none", "auto")
+    sides: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def messages(self) -> list[dict]:
@@ -308,7 +308,7 @@ def prepare_turn(
         message: the user's message.
         history: the conversation so far (see :func:`parse_history`).
         strategy, tau, k_max, k: the right pane's strategy (see :func:`app_strategy`); k_max
-            defaults to the model's :attr:`~model.checkpoint.LoadedModel.default_k_max`.
+            defaults to the model's :attr:`~model.engine.loaded_model.LoadedModel.default_k_max`.
         max_new_tokens: per side, 1 to :data:`APP_MAX_NEW_TOKENS`.
         model_key: ``(source, quantization[, precision])``; the default model when None.
 
@@ -321,9 +321,7 @@ def prepare_turn(
     key = ModelRegistry.key(*(model_key or (DEFAULT_SOURCE,)))
     n_new = app_max_new_tokens(max_new_tokens)
     lm = registry.get(*key)
-    if k_max is None:
-        k_max = min(lm.default_k_max, APP_MAX_K_MAX)
-    strat = app_strategy(strategy, tau, k_max, k)
+    strat = app_strategy(strategy, tau, k_max, k, lm.default_k_max)
     turn_messages = engine_messages(hist) + [{"role": "user", "content": text}]
     try:
         ids = lm.prompt_ids(turn_messages)
@@ -333,13 +331,13 @@ def prepare_turn(
         what = "This conversation" if hist else "The message"
         raise RequestError(f"{what} is {len(ids):,} tokens long; this demo prefills at most "
                            f"{MAX_PROMPT_TOKENS:,} tokens. Shorten the message or press Clear to start a new chat.")
-    try:
-        check_context_budget(lm, len(ids), n_new, strat)  # the MTP side looks further ahead than standard
-    except ContextBudgetError as e:
+    try:  # the engine checks the context budget (the MTP side looks further ahead than standard)
+        sides = {"standard": Decoder(lm, ids, standard(), n_new), "mtp": Decoder(lm, ids, strat, n_new)}
+    except ValueError as e:
         raise RequestError(str(e)) from None
     number = sum(1 for m in hist if m["role"] == "user") + 1
     return Turn(lm=lm, strategy=strat, max_new_tokens=n_new, history=hist, message=text, prompt_ids=list(ids),
-                number=number, model_key=key)
+                number=number, model_key=key, sides=sides)
 
 
 @dataclass(frozen=True)
@@ -434,7 +432,7 @@ class TurnState:
 
     Attributes:
         turn: the request.
-        standard, mtp: each side's :class:`~model.decoding.GenerationResult` so far (text, tokens,
+        standard, mtp: each side's :class:`~model.engine.decoding.GenerationResult` so far (text, tokens,
             passes, effective k, seconds).
         standard_done, mtp_done: that side has finished (stop token or max_new_tokens).
         phase: ``running`` while passes remain, then ``done``, ``stopped`` (Stop), ``cleared``
@@ -509,14 +507,7 @@ def run_turn(
         logits, anything else) become ``phase == "error"`` with a message; nothing is raised.
     """
     t0 = time.perf_counter()
-    sides: dict[str, Decoder] = {}
-    try:
-        sides["standard"] = Decoder(turn.lm, turn.prompt_ids, standard(), turn.max_new_tokens)
-        sides["mtp"] = Decoder(turn.lm, turn.prompt_ids, turn.strategy, turn.max_new_tokens)
-    except ValueError as e:  # ContextBudgetError included; prepare_turn checks it first
-        empty = GenerationResult(text="", token_ids=[])
-        yield TurnState(turn, empty, empty, phase="error", error=str(e), wall_seconds=time.perf_counter() - t0)
-        return
+    sides: dict[str, Decoder] = turn.sides
 
     def state(phase: str = "running", error: str | None = None, last: str | None = None) -> TurnState:
         return TurnState(turn, sides["standard"].result(), sides["mtp"].result(), sides["standard"].done,
@@ -536,7 +527,7 @@ def run_turn(
                 return
             try:
                 with lock:
-                    dec.step()
+                    dec.run_pass()
             except NonFiniteLogitsError as e:
                 yield state("error", str(e), name)
                 return

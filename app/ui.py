@@ -19,8 +19,9 @@ from typing import Any, Iterator
 
 import gradio as gr
 
-from model.checkpoint import DEFAULT_SOURCE
-from model.strategies import DEFAULT_STATIC_K, DEFAULT_TAU
+from model.engine.loading import DEFAULT_SOURCE
+from model.engine.strategies import DEFAULT_K_MAX, DEFAULT_STATIC_K, DEFAULT_TAU
+from model.errors import RequestError
 
 from . import figures, render
 from .runner import (
@@ -31,9 +32,9 @@ from .runner import (
     QUANTIZATIONS,
     STRATEGY_CHOICES,
     ModelRegistry,
-    RequestError,
     SessionRuns,
     TurnState,
+    choice_of,
     exclusive,
     history_after,
     parse_source,
@@ -190,10 +191,6 @@ def figure_html(state: TurnState | None, strategy_choice: str = "ConfAdapt") -> 
     return figure_caption(strategy_choice) + figures.animated_html(figures.passes_figure(records, strategy))
 
 
-def _choice_of(state: TurnState) -> str:
-    return {"static": "static k", "verify": "lossless"}.get(state.strategy.name, "ConfAdapt")
-
-
 def mtp_title(label: str | None) -> str:
     return f"MTP decoding: {label}" if label else "MTP decoding"
 
@@ -218,7 +215,7 @@ def turn_outputs(state: TurnState, *, figures_due: bool, first: bool = False) ->
     """Component updates for a runner state (figures only when due; the message box cleared once)."""
     if state.phase == "cleared":
         text, _ = render.turn_status(state)
-        return idle_outputs([], text, strategy_choice=_choice_of(state))
+        return idle_outputs([], text, strategy_choice=choice_of(state.strategy))
     final = state.final
     turn, label = state.turn, state.strategy.label
     side_state = {"running": "running", "done": "done", "stopped": "stopped", "error": "error"}[state.phase]
@@ -245,7 +242,7 @@ def turn_outputs(state: TurnState, *, figures_due: bool, first: bool = False) ->
         render.counters_html(state.mtp, side="mtp", label=label, state=mtp_state),
         render.speed_html(state) if (draw or state.phase != "running") else gr.skip(),
         render.figure1_html(state.mtp.passes, state.strategy) if draw else gr.skip(),
-        figure_html(state, _choice_of(state)) if draw else gr.skip(),
+        figure_html(state, choice_of(state.strategy)) if draw else gr.skip(),
         figures.race_figure([("standard", state.standard.passes), (label, state.mtp.passes)]) if draw else gr.skip(),
         render.pass_table_html(state) if final else gr.skip(),
         render.status_html(status, kind=kind) if (first or final) else gr.skip(),
@@ -285,7 +282,7 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True,
     gr.set_static_paths([str(figures.PLOTLY_JS)])
     default_key = ModelRegistry.key(DEFAULT_SOURCE, "none")
     default_info = ""
-    default_k_max = min(16, APP_MAX_K_MAX)
+    default_k_max = min(DEFAULT_K_MAX, APP_MAX_K_MAX)
     if preload:
         try:
             default_lm = registry.get(*default_key)

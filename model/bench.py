@@ -1,378 +1,27 @@
-"""Wall-clock benchmark: decoding speed against HF ``generate``, and the cost of a forward pass by width.
+"""Command line: decoding speed against HF ``generate``, and the cost of a forward pass by width.
 
     python -m model.bench --threads 1            # the embedded default, 3 GSM8K test prompts x 64 new tokens
     python -m model.bench --strategies standard,confadapt:0.9:4,verify:4 --data test.jsonl --prompts 5
     python -m model.bench --path library         # the same with the fast path off (transformers + peft)
 
-Everything runs in one process, methods alternating, medians over repeats:
-
-1. **Tokens per second** of HF ``generate`` (greedy) on the *plain base model* — what a user would run:
-   the base without any peft wrapper, in the same dtype — and of each strategy of ours (the loaded
-   model, MTP adapter included). Each repeat runs every prompt with every method, the order of
-   methods rotating from one repeat to the next; each generation is timed on its own, wall-clock,
-   device synchronised, Python overhead included. A method's speed in one repeat is its generated
-   tokens over its seconds summed over the prompts; the table shows the median over repeats and
-   its ratio to HF ``generate`` (the paper reports wall-clock speed-ups the same way, section 4.5).
-   One untimed warm-up generation per method comes first.
-2. **Width curve**: milliseconds per forward pass over a cached prompt, by tokens fed (1, 2, 4, 8, 16):
-   transformers' forward of the plain base (T real tokens), ours on the base weights (T real
-   tokens: a prefill / verify-like pass) and ours with the adapter (1 real token + T-1 mask tokens:
-   an MTP pass), each with its ratio to our 1-token base pass.
-3. **Bandwidth**: the weight bytes a 1-token pass reads (every parameter once; an untied input
-   embedding is not read whole) over the time of that pass, beside the device's measured read
-   bandwidth (CPU: the sum of a 1 GiB tensor; CUDA: a 1 GiB device copy, read + write).
-
-The report states the dtype, the forward path (:attr:`model.checkpoint.LoadedModel.forward_path`),
-torch threads and the load average before and after (other jobs on the machine slow every method;
-the ratios, measured side by side, are what to read). Default prompts: the first problems of
-``assets/gsm8k_test_sample.jsonl`` (GSM8K test split, MIT licence; see assets/README.md);
-``--data`` takes any GSM8K-format JSONL. Bad arguments exit with status 2.
+What is measured and how: :mod:`model.evaluation.speed`. ``--data`` takes any GSM8K-format JSONL.
+Bad arguments exit with status 2 and one ``error:`` line.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
-import os
-import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Any, Sequence
 
 import torch
 
-from .checkpoint import DEFAULT_SOURCE, REPO_ROOT, CheckpointError, LoadedModel, load_checkpoint
-from .decoding import Decoder, hf_generate
-from .evaluate import load_problems, make_prompt
-from .strategies import check_max_new_tokens, parse_strategies
-
-HF = "hf_generate"
-DEFAULT_DATA = REPO_ROOT / "assets" / "gsm8k_test_sample.jsonl"
-DEFAULT_STRATEGIES = "standard,confadapt:0.9:4,verify:4,confadapt:0.9:16"
-DEFAULT_WIDTHS = (1, 2, 4, 8, 16)
-WIDTH_PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-                "How many clips did Natalia sell altogether in April and May?")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def weight_bytes(model: Any) -> int:
-    """Bytes of the model's parameters, each shared tensor (tied embeddings) counted once."""
-    seen: set[int] = set()
-    total = 0
-    for p in model.parameters():
-        if p.data_ptr() in seen:
-            continue
-        seen.add(p.data_ptr())
-        total += p.numel() * p.element_size()
-    return total
-
-
-def pass_bytes(model: Any) -> int:
-    """Bytes a 1-token forward pass reads: every parameter once, except an input embedding that is
-    not tied to the output embedding (a pass reads one of its rows, not all of it)."""
-    total = weight_bytes(model)
-    emb, out = model.get_input_embeddings(), model.get_output_embeddings()
-    if emb is not None and (out is None or out.weight.data_ptr() != emb.weight.data_ptr()):
-        total -= emb.weight.numel() * emb.weight.element_size()
-    return total
-
-
-def read_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> tuple[float, str]:
-    """Measured memory bandwidth in bytes/s and how it was measured: on CUDA a device-to-device copy of
-    ``nbytes`` ((read + write) bytes / seconds), elsewhere the sum of an ``nbytes`` float32 tensor
-    (bytes read / seconds; one pass over memory, the threads torch uses). Median of ``repeats``."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    cuda = device.type == "cuda"
-    y = torch.empty_like(x) if cuda else None
-    times = []
-    for i in range(repeats + 1):
-        _sync(device)
-        t0 = time.perf_counter()
-        if cuda:
-            y.copy_(x)  # type: ignore[union-attr]
-        else:
-            x.sum()
-        _sync(device)
-        if i:  # the first run warms up
-            times.append(time.perf_counter() - t0)
-    del x, y
-    if cuda:
-        return 2 * nbytes / statistics.median(times), "device copy of 1 GiB (read + write)"
-    return nbytes / statistics.median(times), "sum of a 1 GiB float32 tensor (read)"
-
-
-def plain_base(lm: LoadedModel) -> LoadedModel:
-    """The base model as a user would run it: without peft's wrapper and LoRA layers (a copy of the
-    weights, the adapter removed), same dtype and device. A model without a peft adapter is returned
-    as is."""
-    from peft import PeftModel
-
-    if not isinstance(lm.model, PeftModel):
-        return lm
-    base = copy.deepcopy(lm.model).unload()
-    base.eval()
-    return dataclasses.replace(lm, model=base, adapter=None)
-
-
-def run_one(lm: LoadedModel, method: str, strategy: Any, prompt_ids: list[int], max_new_tokens: int) -> dict:
-    """One timed generation. Returns ``{"tokens", "forward_passes", "seconds", "token_ids"}``.
-
-    ``seconds`` is wall-clock for the whole generation (device synchronised before and after).
-    For HF ``generate`` the number of forward passes equals the number of new tokens.
-    """
-    dev = lm.device
-    _sync(dev)
-    t0 = time.perf_counter()
-    if method == HF:
-        ids = hf_generate(lm, prompt_ids, max_new_tokens)
-        passes = len(ids)
-    else:
-        dec = Decoder(lm, prompt_ids, strategy, max_new_tokens)
-        for _ in dec:
-            pass
-        ids = dec.generated
-        passes = len(dec.passes)
-    _sync(dev)
-    return {"tokens": len(ids), "forward_passes": passes, "seconds": time.perf_counter() - t0, "token_ids": ids}
-
-
-@torch.inference_mode()
-def width_curve(lm: LoadedModel, plain: LoadedModel, widths: Sequence[int] = DEFAULT_WIDTHS, repeats: int = 15,
-                prompt: str = WIDTH_PROMPT) -> dict:
-    """Milliseconds per forward pass by tokens fed, over a cached prompt (see the module docstring).
-
-    Returns:
-        ``{"context_tokens", "widths", "rows": [{"name", "label", "ms": [median per width],
-        "ratio": [ms / ours_base at width 1]}]}``; ``ours_adapter`` only when ``lm`` has an adapter.
-    """
-    from transformers import DynamicCache
-
-    ids = lm.prompt_ids(prompt)
-    dev, mask = lm.device, lm.mask_token_id
-    real = [t for t in ids if t != mask] or [0]
-
-    def tokens(n_real: int, n_masks: int) -> torch.Tensor:
-        return torch.tensor([(real * 16)[:n_real] + [mask] * n_masks], dtype=torch.long, device=dev)
-
-    def hf_pass(cache: Any, t: int) -> None:
-        plain.model(input_ids=tokens(t, 0), past_key_values=cache, use_cache=True, logits_to_keep=t)
-        cache.crop(-t)
-
-    def ours(cache: Any, t: int, with_adapter: bool) -> None:
-        m = t - 1 if with_adapter else 0
-        lm.forward(tokens(t - m, m), cache, num_masks=m, logits_to_keep=t)
-        cache.crop(-t)
-
-    hf_cache = DynamicCache(config=plain.model.config)
-    plain.model(input_ids=torch.tensor([ids], device=dev), past_key_values=hf_cache, use_cache=True, logits_to_keep=1)
-    our_cache = lm.new_cache()
-    lm.forward(torch.tensor([ids], device=dev), our_cache, num_masks=0, logits_to_keep=1)
-    methods: list[tuple[str, str, Any]] = [
-        ("hf_plain", "transformers forward, plain base", lambda t: hf_pass(hf_cache, t)),
-        ("ours_base", "ours, base weights (T real tokens)", lambda t: ours(our_cache, t, False)),
-    ]
-    if lm.adapter is not None:
-        methods.append(("ours_adapter", "ours + adapter (1 real + T-1 masks)", lambda t: ours(our_cache, t, True)))
-    ms: dict[str, list[float]] = {name: [] for name, _, _ in methods}
-    for t in widths:
-        times: dict[str, list[float]] = {name: [] for name, _, _ in methods}
-        for _, _, f in methods:
-            f(t)  # warm-up at this width
-        for r in range(repeats):
-            order = methods[r % len(methods):] + methods[: r % len(methods)]
-            for name, _, f in order:
-                _sync(dev)
-                t0 = time.perf_counter()
-                f(t)
-                _sync(dev)
-                times[name].append(time.perf_counter() - t0)
-        for name in ms:
-            ms[name].append(1e3 * statistics.median(times[name]))
-    ref = ms["ours_base"][0] if widths and widths[0] == 1 else None
-    rows = [{"name": name, "label": label, "ms": ms[name],
-             "ratio": [v / ref for v in ms[name]] if ref else None} for name, label, _ in methods]
-    return {"context_tokens": len(ids), "widths": list(widths), "rows": rows}
-
-
-def bench(
-    lm: LoadedModel,
-    prompts: Sequence[str],
-    strategy_specs: str | Sequence[str] = DEFAULT_STRATEGIES,
-    *,
-    repeats: int = 3,
-    max_new_tokens: int = 64,
-    warmup: bool = True,
-    widths: Sequence[int] = DEFAULT_WIDTHS,
-    width_repeats: int = 15,
-    measure_bandwidth: bool = True,
-    plain: LoadedModel | None = None,
-) -> dict:
-    """Time HF ``generate`` on the plain base and each strategy, then the width curve and bandwidth.
-
-    Args:
-        lm: the model our strategies run (adapter included).
-        prompts: user messages (formatted with the model's prompt format).
-        strategy_specs: our strategies (``standard``, ``static:K``, ``confadapt:TAU[:K_MAX]``,
-            ``verify[:K_MAX]``; k_max defaults to the adapter's).
-        repeats: timed rounds; the median over them is reported.
-        max_new_tokens: per generation.
-        warmup: one untimed generation per method first.
-        widths: tokens per pass of the width curve (empty: no curve).
-        width_repeats: timed passes per width and method (median).
-        measure_bandwidth: measure the device's memory bandwidth (1 GiB).
-        plain: the plain base for HF ``generate`` (default :func:`plain_base` of ``lm``).
-
-    Returns:
-        ``{"config", "methods": [{"method", "label", "tokens_per_second" (median), "runs",
-        "ratio_to_hf", "effective_k", "forward_passes_per_second", "tokens", "forward_passes"}],
-        "standard_matches_hf", "verify_matches_standard", "width", "bandwidth"}``.
-
-    Raises:
-        ValueError: no prompts, repeats < 1, bad max_new_tokens, strategy or width.
-    """
-    check_max_new_tokens(max_new_tokens)
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an integer ≥ 1, got {repeats!r}.")
-    if not prompts:
-        raise ValueError("No prompts to benchmark.")
-    if any(isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 64 for w in widths):
-        raise ValueError(f"widths must be integers from 1 to 64, got {list(widths)!r}.")
-    load_before = _loadavg()
-    strategies = parse_strategies(strategy_specs, lm.default_k_max)
-    plain = plain if plain is not None else plain_base(lm)
-    runners = {HF: plain}
-    methods: list[tuple[str, Any]] = [(HF, None)] + [(s.spec, s) for s in strategies]
-    prompt_ids = [lm.prompt_ids(p) for p in prompts]
-    if warmup:
-        for name, s in methods:
-            run_one(runners.get(name, lm), name, s, prompt_ids[0], min(max_new_tokens, 8))
-    per: dict[str, list[dict]] = {name: [] for name, _ in methods}
-    outputs: dict[str, list[list[int]]] = {name: [] for name, _ in methods}
-    for r in range(repeats):
-        order = methods[r % len(methods):] + methods[: r % len(methods)]
-        totals = {name: {"tokens": 0, "forward_passes": 0, "seconds": 0.0} for name, _ in methods}
-        for ids in prompt_ids:
-            for name, s in order:
-                res = run_one(runners.get(name, lm), name, s, ids, max_new_tokens)
-                for key in ("tokens", "forward_passes", "seconds"):
-                    totals[name][key] += res[key]
-                if r == 0:
-                    outputs[name].append(res["token_ids"])
-        for name, _ in methods:
-            per[name].append(totals[name])
-
-    rows = []
-    for name, s in methods:
-        runs = per[name]
-        tps = [t["tokens"] / t["seconds"] if t["seconds"] > 0 else 0.0 for t in runs]
-        pps = [t["forward_passes"] / t["seconds"] if t["seconds"] > 0 else 0.0 for t in runs]
-        rows.append({
-            "method": name, "label": "HF generate, plain base" if s is None else s.label,
-            "tokens_per_second": statistics.median(tps), "runs": tps,
-            "forward_passes_per_second": statistics.median(pps),
-            "tokens": runs[0]["tokens"], "forward_passes": runs[0]["forward_passes"],
-            "effective_k": runs[0]["tokens"] / runs[0]["forward_passes"] if runs[0]["forward_passes"] else 0.0,
-        })
-    hf_tps = rows[0]["tokens_per_second"]
-    for row in rows:
-        row["ratio_to_hf"] = row["tokens_per_second"] / hf_tps if hf_tps > 0 else None
-    std = outputs.get("standard")
-    verify_specs = [s.spec for s in strategies if s.verifies]
-
-    width = width_curve(lm, plain, widths, width_repeats) if widths else None
-    bandwidth = None
-    nbytes = pass_bytes(plain.model)
-    if measure_bandwidth:
-        bw, how = read_bandwidth(lm.device)
-        bandwidth = {"measured_bytes_per_second": bw, "measured_by": how, "pass_bytes": nbytes}
-        if width is not None and width["widths"][0] == 1:
-            for row in width["rows"]:
-                if row["name"] in ("hf_plain", "ours_base"):
-                    achieved = nbytes / (row["ms"][0] / 1e3)
-                    bandwidth[row["name"]] = {"ms_per_pass": row["ms"][0], "bytes_per_second": achieved,
-                                              "fraction": achieved / bw}
-    return {
-        "config": {"model": lm.source, "device": str(lm.device), "dtype": lm.dtype_name,
-                   "forward_path": lm.forward_path, "hf_baseline": "HF generate on the plain base (no peft), "
-                   f"{plain.dtype_name}", "prompts": len(prompts), "repeats": repeats,
-                   "max_new_tokens": max_new_tokens, "torch_threads": torch.get_num_threads(),
-                   "weight_bytes": weight_bytes(plain.model), "pass_bytes": nbytes, "mtp_trained": lm.mtp_trained,
-                   "adapter": lm.adapter, "cpu": _cpu_name(), "load_average_before": load_before,
-                   "load_average_after": _loadavg()},
-        "methods": rows,
-        "standard_matches_hf": (std == outputs[HF]) if std is not None else None,
-        "verify_matches_standard": {v: outputs[v] == std for v in verify_specs} if std is not None else {},
-        "width": width,
-        "bandwidth": bandwidth,
-    }
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def _cpu_name() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="ignore").splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def format_table(report: dict) -> str:
-    """The report as plain-text tables (tokens/s per method; width curve; bandwidth)."""
-    c = report["config"]
-    head = f"{'method':<34} {'tokens/s':>9} {'x HF':>6} {'eff. k':>7} {'passes/s':>9} {'new tokens':>10}"
-    lines = [head, "-" * len(head)]
-    for r in report["methods"]:
-        lines.append(f"{r['label']:<34} {r['tokens_per_second']:>9.1f} {r['ratio_to_hf']:>6.2f} "
-                     f"{r['effective_k']:>7.2f} {r['forward_passes_per_second']:>9.1f} {r['tokens']:>10d}")
-    lines.append(f"median of {c['repeats']} repeats x {c['prompts']} prompts x {c['max_new_tokens']} new tokens; "
-                 f"{c['device']} {c['dtype']}, {c['torch_threads']} torch threads; {c['forward_path']}")
-    lines.append(f"baseline: {c['hf_baseline']}; weights {c['weight_bytes'] / 1e6:.0f} MB")
-    if report["standard_matches_hf"] is not None:
-        lines.append(f"standard output == HF generate output: {report['standard_matches_hf']}")
-    for spec, same in report.get("verify_matches_standard", {}).items():
-        lines.append(f"{spec} output == standard output (lossless): {same}")
-    lines.append("new tokens: generated in one repeat over all prompts; a method that hits a stop token early "
-                 "spends a larger share of its time on the prefill")
-    w = report.get("width")
-    if w:
-        lines.append("")
-        lines.append(f"ms per forward pass by tokens fed (cache of {w['context_tokens']} tokens; "
-                     "x = ratio to our 1-token base pass)")
-        wh = f"{'':<40}" + "".join(f"{t:>14}" for t in w["widths"])
-        lines += [wh, "-" * len(wh)]
-        for row in w["rows"]:
-            cells = "".join(f"{ms:>7.1f} ({x:4.2f}x)" if row["ratio"] else f"{ms:>14.1f}"
-                            for ms, x in zip(row["ms"], row["ratio"] or [0] * len(row["ms"])))
-            lines.append(f"{row['label']:<40}{cells}")
-    b = report.get("bandwidth")
-    if b:
-        lines.append("")
-        lines.append(f"memory bandwidth measured: {b['measured_bytes_per_second'] / 1e9:.1f} GB/s ({b['measured_by']})")
-        for name, label in (("ours_base", "ours"), ("hf_plain", "transformers")):
-            if name in b:
-                x = b[name]
-                lines.append(f"bandwidth achieved, {label}: {b['pass_bytes'] / 1e6:.0f} MB of weights in "
-                             f"{x['ms_per_pass']:.1f} ms = {x['bytes_per_second'] / 1e9:.1f} GB/s "
-                             f"({x['fraction']:.0%} of measured)")
-    lb, la = c.get("load_average_before"), c.get("load_average_after")
-    if lb:
-        lines.append(f"load average (1/5/15 min) before {lb}, after {la}; cpu: {c.get('cpu')}")
-    return "\n".join(lines)
+from .engine.loading import DEFAULT_SOURCE, load_checkpoint, trained_k_max
+from .engine.strategies import DEFAULT_K_MAX, check_max_new_tokens, parse_strategies
+from .evaluation.gsm8k import load_problems, make_prompt
+from .evaluation.speed import DEFAULT_DATA, DEFAULT_STRATEGIES, DEFAULT_WIDTHS, bench, format_table
 
 
 def _widths(text: str) -> tuple[int, ...]:
@@ -411,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_max_new_tokens(args.max_new_tokens)
-        parse_strategies(args.strategies)
+        default_k_max = trained_k_max(args.model, adapter=not args.no_adapter) or DEFAULT_K_MAX
+        strategies = parse_strategies(args.strategies, default_k_max)
         widths = _widths(args.widths)
         if any(not 1 <= w <= 64 for w in widths):
             raise ValueError(f"--widths must be from 1 to 64, got {args.widths!r}.")
@@ -424,14 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads is not None:
             torch.set_num_threads(args.threads)
         lm = load_checkpoint(args.model, device=args.device, dtype=args.dtype, adapter=not args.no_adapter)
-    except (ValueError, CheckpointError) as e:
+    except ValueError as e:  # CheckpointError and DataError included
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.path == "library":
         lm = dataclasses.replace(lm, fast=False)
     for note in lm.warnings:
         print(f"note: {note}", file=sys.stderr)
-    report = bench(lm, prompts, args.strategies, repeats=args.repeats, max_new_tokens=args.max_new_tokens,
+    report = bench(lm, prompts, strategies, repeats=args.repeats, max_new_tokens=args.max_new_tokens,
                    widths=widths, width_repeats=args.width_repeats, measure_bandwidth=not args.no_bandwidth)
     print(format_table(report))
     if args.json:

@@ -80,9 +80,9 @@ def check_paths(lm) -> bool:
 
 def check_standard_and_verify(lm, new_tokens: int) -> bool:
     """Standard decoding == HF generate on the plain base; verify == standard; cache == fresh prefill."""
-    from model.bench import plain_base
-    from model.decoding import Decoder, hf_generate, run
-    from model.strategies import standard, verify
+    from model.evaluation.speed import plain_base
+    from model.engine.decoding import Decoder, hf_generate, run
+    from model.engine.strategies import standard, verify
 
     plain = plain_base(lm)
     ok = True
@@ -120,7 +120,7 @@ def check_app_turn(device: str, new_tokens: int) -> bool:
     from functools import partial
 
     from app.runner import ModelRegistry, prepare_turn, run_turn
-    from model.checkpoint import load_checkpoint
+    from model.engine.loading import load_checkpoint
 
     registry = ModelRegistry(loader=partial(load_checkpoint, device=device))
     turn = prepare_turn(registry, "Janet has 3 ducks and buys 2 more. How many ducks does she have?",
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here: skipped (use --device cpu for a dry run on the CPU).")
         return 0
-    from model.checkpoint import load_checkpoint
+    from model.engine.loading import load_checkpoint
 
     t0 = time.perf_counter()
     lm = load_checkpoint("smollm2-135m", device=args.device)

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 GSM8K_SAMPLE = ROOT / "assets" / "gsm8k_test_sample.jsonl"  # 20 GSM8K test problems (MIT), in the repository
 
-from model.checkpoint import LoadedModel, load_checkpoint, wrap_model  # noqa: E402
+from model.engine.loading import load_checkpoint, wrap_model  # noqa: E402
+from model.engine.loaded_model import LoadedModel
 
 
 @pytest.fixture
@@ -104,7 +105,7 @@ def tiny_lm64(base_tokenizer) -> LoadedModel:
 def pretrained_teacher(base_tokenizer):
     """A tiny Llama pre-trained (next-token) for 60 steps on a repetitive corpus: it knows the corpus
     (loss < 0.5), so its greedy continuations are predictable several tokens ahead."""
-    from model.train_data import Example, encode
+    from model.training.data import Example, encode
 
     tok = copy.deepcopy(base_tokenizer)
     words = ["red", "green", "blue", "black", "white"]
@@ -136,7 +137,8 @@ def mtp_run(lm, examples, out, *, seed=0, steps=40, mixed_precision="no", adapte
     directory is ``out`` (``out/final`` holds the adapter). Returns the parsed train log."""
     import json
 
-    from model.train import TrainConfig, train
+    from model.training.config import TrainConfig
+    from model.training.trainer import train
 
     cfg = TrainConfig(base="tiny", data="in-memory", output=str(out), adapter=adapter, lora_rank=8,
                       max_steps=steps, batch_size=4, seq_len=64, k_max=4, spacing=4, num_regions=4, lr=1e-2, warmup=0,

@@ -9,12 +9,14 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from model.checkpoint import load_checkpoint, wrap_model
-from model.decoding import Decoder, generate, hf_generate
-from model.strategies import confadapt, standard
-from model.layout import build_layout, build_span_layout, place_regions
-from model.objective import alora_objective, phase1_prefix, phase2_logits, student_logits
-from model.train import TrainConfig, export_model, load_for_training, main
+from model.engine.loading import load_checkpoint, wrap_model
+from model.engine.decoding import Decoder, generate, hf_generate
+from model.engine.strategies import confadapt, standard
+from model.training.layout import build_layout, build_span_layout, place_regions
+from model.training.objective import alora_objective, phase1_prefix, phase2_logits, student_logits
+from model.train import main
+from model.training.config import TrainConfig
+from model.training.trainer import export_model, load_for_training
 from tests.conftest import make_tiny
 
 
@@ -89,7 +91,14 @@ def test_alora_objective_trains_only_masks(tiny_lm64):
     m = out.block > 0
     # Block position 0 is the base's own greedy token: student == teacher there.
     assert torch.equal(out.student_tokens[~m], out.labels[~m])
-    assert out.loss_positions.equal(m)
+    # The loss covers the mask positions only: it is the cross-entropy of the student's mask logits (phase 2,
+    # adapter on, recomputed here) against the labels there, not of all predicted positions.
+    with torch.no_grad():
+        with model.disable_adapter():
+            cache, _ = phase1_prefix(model, span)
+        s_mask = phase2_logits(model, span, cache, alora_offsets=[span.span_len] * span.gt_ids.shape[0])
+        masks_only = torch.nn.functional.cross_entropy(s_mask[m], out.labels[m])
+    assert float(out.loss.detach()) == pytest.approx(float(masks_only), rel=1e-9)
     # The teacher's labels at masks: the base's argmax after the student's block, checked by a plain forward.
     rid = 1
     ps = (lay.pred_region == rid).nonzero().flatten().tolist()

@@ -38,9 +38,9 @@ from app.runner import (
     prepare_turn,
     run_turn,
 )
-from model.checkpoint import wrap_model
-from model.decoding import PassRecord, generate
-from model.strategies import confadapt, standard, static_k
+from model.engine.loading import wrap_model
+from model.engine.decoding import PassRecord, generate
+from model.engine.strategies import confadapt, standard, static_k
 from tests.conftest import GSM8K_SAMPLE, make_tiny
 
 pytestmark = pytest.mark.integration
@@ -355,7 +355,7 @@ def test_text_is_shown_literally():
 def test_figure1_is_running_text_with_one_span_per_pass(registry, lm):
     last = finish(prepare_turn(registry, PROMPT, [], "ConfAdapt", 0.5, 4, 3, 16))[1]
     out = render.figure1_html(last.mtp.passes, last.strategy)
-    spans = re.findall(r'<span class="mtp-blk[^"]*" data-pass="(\d+)" data-width="(\d+)"(?: style="[^"]*")? '
+    spans = re.findall(r'<span class="mtp-blk[^"]*" data-pass="(\d+)" data-kept="(\d+)"(?: style="[^"]*")? '
                        r'title="([^"]*)">(.*?)</span>(?=<span class="mtp-blk|</div>)', out, re.S)
     with_text = [r for r in last.mtp.passes if r.text]
     assert [int(p) for p, _, _, _ in spans] == [r.index + 1 for r in with_text]
@@ -381,7 +381,7 @@ def test_figure_caption_names_every_colour_the_figure_uses():
 
 
 def test_block_colours_keep_text_readable():
-    for colour in render.WIDTH_COLOURS:
+    for colour in render.KEPT_COLOURS:
         hi, lo = sorted((_luminance(colour), _luminance(render.TEXT_ON_COLOUR)), reverse=True)
         assert (hi + 0.05) / (lo + 0.05) >= 7.0, colour
 
@@ -469,7 +469,7 @@ def test_api_answers_like_the_engine(client, lm):
     assert res["standard"]["text"] == std_ref.text and res["mtp"]["text"] == mtp_ref.text
     assert res["standard"]["new_tokens"] == std_ref.new_tokens
     assert res["mtp"]["forward_passes"] == mtp_ref.forward_passes and res["mtp"]["strategy"] == "confadapt:0.9:4"
-    assert res["mtp"]["block_widths"] == [len(p.kept) for p in mtp_ref.passes]
+    assert res["mtp"]["kept_per_pass"] == [len(p.kept) for p in mtp_ref.passes]
     assert res["speed"]["text"] == render.times_text(res["speed"]["ratio"])
     assert out["history"][-1] == {"role": "assistant", "content": std_ref.text,
                                                            "mtp": mtp_ref.text}

@@ -11,21 +11,21 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from model.bench import (
+from model.bench import main
+from model.evaluation.speed import (
     DEFAULT_DATA,
     DEFAULT_STRATEGIES,
     HF,
     bench,
     format_table,
-    main,
     pass_bytes,
     plain_base,
     read_bandwidth,
     weight_bytes,
 )
-from model.checkpoint import wrap_model
-from model.evaluate import load_problems
-from model.strategies import parse_strategies
+from model.engine.loading import wrap_model
+from model.evaluation.gsm8k import load_problems
+from model.engine.strategies import parse_strategies
 from tests.conftest import make_tiny
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -96,7 +96,7 @@ def test_read_bandwidth_on_cpu():
 
 
 def test_bench_reports_bandwidth(tiny_lm):
-    import model.bench as mb
+    import model.evaluation.speed as mb
 
     orig = mb.read_bandwidth
     mb.read_bandwidth = lambda device: orig(device, nbytes=32 << 20, repeats=2)

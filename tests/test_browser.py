@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from model.decoding import generate
-from model.strategies import confadapt, standard
+from model.engine.decoding import generate
+from model.engine.strategies import confadapt, standard
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 

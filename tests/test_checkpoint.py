@@ -9,16 +9,11 @@ import json
 import pytest
 import torch
 
-from model.adapter_format import META_FILE, MTPMeta, read_meta, save_mtp_checkpoint
-from model.checkpoint import (
-    CheckpointError,
-    DEFAULT_MASK_TOKEN,
-    find_mask_token,
-    load_checkpoint,
-    smollm2_gguf_path,
-)
-from model.decoding import generate
-from model.strategies import confadapt, standard
+from model.engine.adapter_format import META_FILE, MTPMeta, read_meta, save_mtp_checkpoint
+from model.engine.loading import DEFAULT_MASK_TOKEN, find_mask_token, load_checkpoint, smollm2_gguf_path
+from model.errors import CheckpointError
+from model.engine.decoding import generate
+from model.engine.strategies import confadapt, standard
 from tests.conftest import make_tiny
 
 

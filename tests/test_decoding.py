@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from model.checkpoint import wrap_model
-from model.decoding import Decoder, generate, hf_generate
-from model.strategies import confadapt, make_strategy, parse_strategy, standard, static_k
+from model.engine.loading import wrap_model
+from model.engine.decoding import Decoder, generate, hf_generate
+from model.engine.strategies import confadapt, resolve_strategy, standard, static_k
 from tests.conftest import make_tiny
 
 PROMPTS = [
@@ -135,10 +135,12 @@ def test_mask_token_is_never_proposed(tiny_lm):
         (lambda: confadapt(-0.1, 16), "tau must be in"),
         (lambda: confadapt(float("nan"), 16), "tau must be in"),
         (lambda: confadapt(0.9, 0), "k_max must be"),
-        (lambda: static_k(4, 3), "cannot exceed k_max"),
+        (lambda: resolve_strategy("static", k=4, k_max=3), "cannot exceed k_max"),
         (lambda: static_k(0), "k must be"),
-        (lambda: make_strategy("beam"), "Unknown strategy"),
-        (lambda: parse_strategy("confadapt:x"), "Bad strategy"),
+        (lambda: resolve_strategy("beam"), "Unknown strategy"),
+        (lambda: resolve_strategy("confadapt:x"), "Bad strategy"),
+        (lambda: resolve_strategy("confadapt", k_max=33, cap=32), "k_max must be from 1 to 32"),
+        (lambda: resolve_strategy("static:40", cap=32), "k must be from 1 to 32"),
     ],
 )
 def test_bad_strategy_arguments(call, message):
@@ -157,10 +159,19 @@ def test_bad_generation_arguments(tiny_lm):
         Decoder(tiny_lm, [], standard(), 4)
 
 
-def test_parse_strategy_round_trips():
-    for spec in ["standard", "static:3", "confadapt:0.9:16", "confadapt:0.75:8"]:
-        assert parse_strategy(spec).spec == spec
-    assert parse_strategy("confadapt:0.9") == confadapt(0.9, 16)
+def test_resolve_strategy_round_trips_and_defaults():
+    for spec in ["standard", "static:3", "confadapt:0.9:16", "confadapt:0.75:8", "verify:4"]:
+        assert resolve_strategy(spec).spec == spec
+    assert resolve_strategy("confadapt:0.9") == confadapt(0.9, 16)
+    # a spec's own values win; what it leaves out comes from the arguments, then the model's default
+    assert resolve_strategy("confadapt:0.7", default_k_max=4) == resolve_strategy("confadapt", tau=0.7, default_k_max=4)
+    assert resolve_strategy("confadapt:0.7", default_k_max=4).k_max == 4
+    assert resolve_strategy("confadapt:0.7:8", k_max=2) == confadapt(0.7, 8)
+    assert resolve_strategy("verify:8") == resolve_strategy("verify", k_max=8)
+    assert resolve_strategy("static:2") == resolve_strategy("static", k=2) == static_k(2)
+    assert resolve_strategy(" Standard ") == standard()
+    # the caller's cap bounds the model's default too
+    assert resolve_strategy("verify", default_k_max=64, cap=32).k_max == 32
 
 
 def test_multi_turn_prompt_uses_chat_template(tiny_lm):

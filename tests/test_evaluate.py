@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.answers import extract_answer, extract_gold, is_correct, normalize_number
-from model.decoding import Decoder
-from model.strategies import confadapt, standard, static_k
-from model.evaluate import (
-    STEP_BY_STEP, evaluate, load_problems, main, make_prompt, pareto_figure, parse_strategies, rescore, teacher_nll,
-    write_figure,
-)
+from model.evaluation.gsm8k import extract_answer, extract_gold, is_correct, normalize_number
+from model.engine.decoding import Decoder
+from model.engine.strategies import confadapt, standard, static_k
+from model.engine.scoring import teacher_nll
+from model.engine.strategies import parse_strategies
+from model.evaluate import main
+from model.evaluation.accuracy import evaluate, pareto_figure, rescore, write_figure
+from model.evaluation.gsm8k import STEP_BY_STEP, load_problems, make_prompt
 from tests.conftest import GSM8K_SAMPLE
 
 # --------------------------------------------------------------------------- extractor
@@ -89,13 +90,13 @@ def test_load_problems_and_errors(tmp_path):
     probs = load_problems(p)
     assert [x["gold"] for x in probs] == ["5", "12"] and probs[1]["index"] == 1
     assert len(load_problems(p, limit=1)) == 1
-    with pytest.raises(ValueError, match="No such data file"):
+    with pytest.raises(ValueError, match="missing.jsonl: no such data file"):
         load_problems(tmp_path / "missing.jsonl")
     bad = _write_jsonl(tmp_path / "bad.jsonl", [{"question": "q", "answer": "no marker"}])
     with pytest.raises(ValueError, match=r"bad.jsonl:1: .*####"):
         load_problems(bad)
     (tmp_path / "notjson.jsonl").write_text("{oops\n")
-    with pytest.raises(ValueError, match="not JSON"):
+    with pytest.raises(ValueError, match=r"notjson.jsonl:1:2: not valid JSON"):
         load_problems(tmp_path / "notjson.jsonl")
     with pytest.raises(ValueError, match="limit"):
         load_problems(p, limit=0)
@@ -219,7 +220,7 @@ def test_pareto_figure_and_files(tmp_path):
 def test_cli_bad_input_exits_2(tmp_path, capsys):
     assert main(["--data", str(tmp_path / "none.jsonl")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: No such data file")
+    assert len(err) == 1 and err[0].startswith("error: ") and err[0].endswith("none.jsonl: no such data file.")
     d = _write_jsonl(tmp_path / "d.jsonl", PROBLEMS)
     assert main(["--data", str(d), "--strategies", "confadapt:2"]) == 2
     assert "tau" in capsys.readouterr().err

@@ -28,11 +28,13 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import DynamicCache
 
-from model.checkpoint import load_checkpoint, resolve_dtype, wrap_model
-from model.precision import native_bf16
-from model.decoding import Decoder, generate, hf_generate
-from model.strategies import confadapt, standard, static_k, verify
-from model.fast_forward import KVCache, Unsupported, build_engine
+from model.engine.loading import load_checkpoint, resolve_dtype, wrap_model
+from model.engine.precision import native_bf16
+from model.engine.decoding import Decoder, generate, hf_generate
+from model.engine.strategies import confadapt, standard, static_k, verify
+from model.engine.fast_forward import build_engine
+from model.engine.kv_cache import KVCache
+from model.errors import Unsupported
 from tests.conftest import make_tiny
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -112,7 +114,7 @@ def test_adapter_matches_peft_float64(base_tokenizer, kind, arch, override):
     lm = _tiny(base_tokenizer, arch, torch.float64, adapter=kind, override=override)
     engine = lm.fast_engine()
     assert engine is not None and engine.adapter_kind == kind
-    assert (engine.embed_override is not None) == override
+    assert (engine.weights.adapter_embed is not None) == override
     passes, _, _ = _both(lm, _schedule(lm))
     cols = torch.ones(lm.vocab_size, dtype=torch.bool)
     cols[lm.mask_token_id] = False

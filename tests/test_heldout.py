@@ -9,11 +9,13 @@ import json
 import pytest
 import torch
 
-from model.checkpoint import load_checkpoint
-from model.heldout import decode_effective_k, main, score_agreement
-from model.self_answers import as_examples, write_answers
-from model.train import TrainConfig, export_model, load_for_training
-from model.train_data import Example, encode
+from model.engine.loading import load_checkpoint
+from model.heldout import main
+from model.training.heldout import decode_effective_k, score_agreement, setup_for
+from model.training.self_answers import as_examples, write_answers
+from model.training.config import TrainConfig
+from model.training.trainer import export_model, load_for_training
+from model.training.data import Example, encode
 from tests.conftest import make_tiny
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -47,7 +49,7 @@ def test_agreement_set_counts_and_bounds(tiny_alora):
     setup, _, examples = tiny_alora
     lm = setup.lm
     seqs, starts, _ = encode(lm, examples, 64)
-    res = score_agreement(lm, seqs, starts, k=4, spacing=2, taus=(0.0, 0.5, 1.01), batch_size=2)
+    res = score_agreement(setup_for(lm), lm.model, seqs, starts, k=4, spacing=2, taus=(0.0, 0.5, 1.01), batch_size=2)
     assert res["sequences"] == len(seqs) and res["positions"] == 3 * res["blocks"] > 0
     assert res["sim_k"]["0.0"] == 4.0 and res["sim_k"]["1.01"] == 1.0  # keep all / keep the first only
     assert 1.0 <= res["sim_k"]["0.5"] <= 4.0
@@ -55,7 +57,7 @@ def test_agreement_set_counts_and_bounds(tiny_alora):
     assert res["sim_k_right"]["0.0"] <= res["sim_k"]["0.0"]
     assert 0.0 <= res["agreement"] <= 1.0 and 0.0 <= res["match"] <= 1.0
     assert set(res["by_block"]) == {"1", "2", "3"} and res["agreement_se_cluster"] is not None
-    again = score_agreement(lm, seqs, starts, k=4, spacing=2, taus=(0.0, 0.5, 1.01), batch_size=5)
+    again = score_agreement(setup_for(lm), lm.model, seqs, starts, k=4, spacing=2, taus=(0.0, 0.5, 1.01), batch_size=5)
     assert again["agreement"] == pytest.approx(res["agreement"]) and again["positions"] == res["positions"]
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from model.layout import GT, MASK, PAD, Region, build_layout, default_num_regions, place_regions, sample_block
+from model.training.layout import GT, MASK, PAD, Region, build_layout, default_num_regions, place_regions, sample_block
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from lm_eval.api.instance import Instance
 
-from model.decoding import Decoder
-from model.strategies import confadapt, standard
-from model.evaluate import teacher_logprob, teacher_nll
-from model.lm_eval_mtp import MTPLM
+from model.engine.decoding import Decoder
+from model.engine.strategies import confadapt, standard
+from model.engine.scoring import teacher_logprob, teacher_nll
+from model.evaluation.lm_eval_model import MTPLM
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK_DIR = ROOT / "tests" / "data"
@@ -53,7 +53,7 @@ def test_generate_until_matches_decoder_and_cuts_at_stop(tiny_lm):
 
 def test_confadapt_stats_report_effective_k(tiny_lm, tmp_path):
     stats_file = tmp_path / "stats.json"
-    m = MTPLM(tiny_lm, strategy="confadapt", threshold=0.0, k_max=4, max_gen_toks=8, stats_file=str(stats_file))
+    m = MTPLM(tiny_lm, strategy="confadapt", tau=0.0, k_max=4, max_gen_toks=8, stats_file=str(stats_file))
     assert m.strategy == confadapt(0.0, 4)
     m.generate_until([_gen_request("Hello there", until=[]), _gen_request("One two three", until=[])],
                      disable_tqdm=True)
@@ -84,7 +84,7 @@ def test_loglikelihood_under_base_model(tiny_lm64):
 
 def test_bad_model_args():
     with pytest.raises(ValueError, match="tau"):
-        MTPLM.create_from_arg_string("pretrained=smollm2-135m,threshold=1.5")
+        MTPLM.create_from_arg_string("pretrained=smollm2-135m,tau=1.5")
     with pytest.raises(ValueError, match="Unknown model_args"):
         MTPLM.create_from_arg_string("pretrained=smollm2-135m,bogus=1")
 
@@ -94,7 +94,7 @@ def test_simple_evaluate_on_local_task_tiny_model(tiny_lm):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    m = MTPLM(tiny_lm, strategy="confadapt", threshold=0.5, k_max=4, max_gen_toks=8)
+    m = MTPLM(tiny_lm, strategy="confadapt", tau=0.5, k_max=4, max_gen_toks=8)
     tasks = TaskManager(include_path=str(TASK_DIR), include_defaults=False)  # skip indexing lm-eval's own tasks
     out = lm_eval.simple_evaluate(model=m, tasks=["gsm8k_mini"], task_manager=tasks, limit=2, log_samples=True)
     res = out["results"]["gsm8k_mini"]
@@ -112,7 +112,7 @@ def test_cli_lm_eval_mtp_on_local_task_default_model(tmp_path, smollm2):
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "model.lm_eval_mtp", "--model", "mtp",
            # dtype float32 explicitly: the check below decodes with the float32 smollm2 fixture
-           "--model_args", f"pretrained=smollm2-135m,threshold=0.9,k_max=16,max_gen_toks=24,dtype=float32,"
+           "--model_args", f"pretrained=smollm2-135m,tau=0.9,k_max=16,max_gen_toks=24,dtype=float32,"
                            f"stats_file={stats}",
            "--tasks", "gsm8k_mini", "--include_path", str(TASK_DIR), "--limit", "3",
            "--output_path", str(tmp_path / "out"), "--log_samples"]

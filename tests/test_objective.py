@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.checkpoint import wrap_model
-from model.layout import Region, build_layout, place_regions
-from model.objective import mtp_objective, student_logits, teacher_input_ids
+from model.engine.loading import wrap_model
+from model.training.layout import Region, build_layout, place_regions
+from model.training.objective import mtp_objective, student_logits, teacher_input_ids
 
 from tests.conftest import make_tiny
 

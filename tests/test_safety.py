@@ -12,11 +12,12 @@ import sys
 import pytest
 import torch
 
-from model.checkpoint import wrap_model
-from model.decoding import ContextBudgetError, Decoder, NonFiniteLogitsError, cut_broken_utf8, generate, hf_generate, run
-from model.strategies import confadapt, standard, static_k, verify
-from model.text import chat_prompt_ids, continues_utf8, open_utf8_bytes
-from model.train_data import Example, encode
+from model.engine.loading import wrap_model
+from model.engine.decoding import Decoder, cut_broken_utf8, generate, hf_generate, run
+from model.errors import ContextBudgetError, NonFiniteLogitsError
+from model.engine.strategies import confadapt, standard, static_k, verify
+from model.engine.text import chat_prompt_ids, continues_utf8, open_utf8_bytes
+from model.training.data import Example, encode
 from tests.conftest import ROOT, make_tiny
 
 MASK = "<|mtp_special_token_0|>"
@@ -71,7 +72,7 @@ def test_ordinary_prompts_tokenise_as_the_rendered_chat(tiny_lm, messages):
 
 
 def test_training_rows_and_lm_eval_contexts_keep_text_literal(tiny_lm):
-    from model.lm_eval_mtp import MTPLM
+    from model.evaluation.lm_eval_model import MTPLM
 
     tok = tiny_lm.tokenizer
     eos = tiny_lm.stop_token_ids[0]
@@ -157,7 +158,7 @@ def test_model_without_eos_runs_to_max_new_tokens(base_tokenizer):
 
 
 def test_model_without_bos_or_eos_in_lm_eval(tiny_lm):
-    from model.lm_eval_mtp import MTPLM
+    from model.evaluation.lm_eval_model import MTPLM
 
     tok = copy.deepcopy(tiny_lm.tokenizer)
     lm = dataclasses.replace(tiny_lm, tokenizer=tok, stop_token_ids=(), prompt_format="bos_newlines")
@@ -215,7 +216,7 @@ def test_nan_logits_stop_with_a_clear_error(base_tokenizer):
     lm = wrap_model(model, tok)
     dec = Decoder(lm, lm.prompt_ids("hi"), confadapt(0.9, 4), 8)
     with pytest.raises(NonFiniteLogitsError, match="NaN or infinite logits"):
-        dec.step()
+        dec.run_pass()
     assert dec.done and dec.generated == []
 
 

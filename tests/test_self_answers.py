@@ -9,12 +9,14 @@ import json
 import pytest
 import torch
 
-from model.checkpoint import wrap_model
-from model.decoding import Decoder
-from model.strategies import standard
-from model.self_answers import as_examples, greedy_answers, main, write_answers
-from model.train import TrainConfig, mix_reference, train
-from model.train_data import Example, load_examples
+from model.engine.loading import wrap_model
+from model.engine.decoding import Decoder
+from model.engine.strategies import standard
+from model.self_answers import main
+from model.training.self_answers import as_examples, greedy_answers, write_answers
+from model.training.config import TrainConfig
+from model.training.trainer import mix_reference, train
+from model.training.data import Example, load_examples
 from tests.conftest import make_tiny
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -177,7 +179,7 @@ def test_default_recipe_script_runs_tiny_and_resumes(tmp_path, tiny_model_dir):
 def test_cut_answers_get_no_eos(base_tokenizer, tmp_path):
     """An answer cut at --max-new-tokens (stopped false) is trained without an EOS after it (the model
     had not ended there); a finished one, and a reference swapped in by the mix, end with the EOS."""
-    from model.train_data import encode
+    from model.training.data import encode
 
     tok = copy.deepcopy(base_tokenizer)
     lm = wrap_model(make_tiny(tok), tok, source="tiny")

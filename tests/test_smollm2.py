@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from model.decoding import Decoder, generate, hf_generate
-from model.strategies import confadapt, standard, static_k
+from model.engine.decoding import Decoder, generate, hf_generate
+from model.engine.strategies import confadapt, standard, static_k
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration
@@ -72,7 +72,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_json(smollm2):
-    out = _cli("--prompt", "What is 2+2?", "--strategy", "confadapt", "--threshold", "0.9", "--k-max", "16",
+    out = _cli("--prompt", "What is 2+2?", "--strategy", "confadapt", "--tau", "0.9", "--k-max", "16",
                "--max-new-tokens", "16", "--json", "--no-adapter")
     assert out.returncode == 0, out.stderr
     obj = json.loads(out.stdout)
@@ -83,32 +83,18 @@ def test_cli_json(smollm2):
     assert obj["text"] == generate(smollm2, "What is 2+2?", confadapt(0.9, 16), 16).text
 
 
-def test_cli_strategy_spec_equals_its_options():
-    """``--strategy confadapt:0.7`` is ``--strategy confadapt --threshold 0.7``; a spec's missing k_max is
-    the adapter's trained one, as for the options."""
-    from model.generate import build_parser, cli_strategy
-
-    def strat(*argv, default_k_max=4):
-        return cli_strategy(build_parser().parse_args(["--prompt", "x", *argv]), default_k_max)
-
-    assert strat("--strategy", "confadapt:0.7") == strat("--strategy", "confadapt", "--threshold", "0.7")
-    assert strat("--strategy", "confadapt:0.7").k_max == 4
-    assert strat("--strategy", "verify:8") == strat("--strategy", "verify", "--k-max", "8")
-    assert strat("--strategy", "static:2") == strat("--strategy", "static", "--k", "2")
-    assert strat("--strategy", " Standard ") == standard()
-
-
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--prompt", ""], "prompt is empty"),
-        (["--prompt", "hi", "--threshold", "1.5"], "tau must be in"),
+        (["--prompt", "hi", "--tau", "1.5"], "tau must be in"),
         (["--prompt", "hi", "--k-max", "0"], "k_max must be"),
         (["--prompt", "hi", "--strategy", "static", "--k", "5", "--k-max", "4"], "cannot exceed"),
         (["--prompt", "hi", "--model", "no/such/model/path"], "No such local model"),
         (["--prompt", "hi", "--model", "bogus source"], "Unknown model source"),
         (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
         (["--prompt", "hi", "--strategy", "bogus"], "Unknown strategy 'bogus'"),
+        (["--prompt", "hi", "--device", "banana"], "Unknown device 'banana'"),
         (["--prompt", "hi", "--strategy", "confadapt:1.5"], "tau must be in"),
         (["--prompt", "hi", "--strategy", "static:abc"], "Bad strategy 'static:abc'"),
         (["--prompt", "hi", "--strategy", "confadapt:0.9", "--k-max", "0"], "k_max must be"),

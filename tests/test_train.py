@@ -15,10 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model.checkpoint import load_checkpoint
-from model.decoding import Decoder
-from model.strategies import confadapt
-from model.train import TrainConfig, export_model, load_for_training, main, train
+from model.engine.loading import load_checkpoint
+from model.engine.decoding import Decoder
+from model.engine.strategies import confadapt
+from model.train import main
+from model.training.config import TrainConfig
+from model.training.trainer import export_model, load_for_training, train
 from tests.conftest import ROOT, make_tiny, mtp_run, pretrained_teacher
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT),
@@ -109,7 +111,7 @@ def test_bf16_autocast_matches_float32(base_tokenizer, tmp_path):
     """bf16 mixed precision (autocast, float32 master weights) follows the float32 run on the same
     steps: same k and offsets, losses within bf16 noise (a few per cent); ``auto`` picks bf16
     exactly where :func:`model.precision.native_bf16` says the CPU runs it natively."""
-    from model.precision import native_bf16
+    from model.engine.precision import native_bf16
 
     lm, examples = pretrained_teacher(base_tokenizer)
     for adapter in ("lora", "alora"):

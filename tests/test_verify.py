@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 import torch
 
-from model.checkpoint import wrap_model
-from model.decoding import Decoder, generate, run
-from model.strategies import standard, verify
+from model.engine.loading import wrap_model
+from model.engine.decoding import Decoder, generate, run
+from model.engine.strategies import standard, verify
 from tests.conftest import make_tiny, mtp_run, pretrained_teacher
 
 PROMPTS = [
@@ -55,11 +55,11 @@ def oracle_decoder(lm, prompt, n, k_max, drafts_of):
 def test_right_drafts_are_all_accepted_and_a_wrong_one_is_corrected(tiny_lm64):
     lm = tiny_lm64
     dec, ref = oracle_decoder(lm, PROMPTS[2], 30, 4, None)
-    rec = dec.step()  # prefill: no drafts yet
+    rec = dec.run_pass()  # prefill: no drafts yet
     assert rec.fed_drafts == 0 and rec.kept == ref[:1]
     # three right drafts: all accepted plus the model's next token
     dec.drafts = ref[1:4]
-    rec = dec.step()
+    rec = dec.run_pass()
     assert rec.drafts == ref[1:4] and rec.drafts_accepted == 3 and rec.correction is None
     assert rec.kept == ref[1:5] and rec.fed_real == 1 and rec.fed_drafts == 3 and rec.fed_masks == 3
     assert rec.block_end == "k_max"
@@ -68,7 +68,7 @@ def test_right_drafts_are_all_accepted_and_a_wrong_one_is_corrected(tiny_lm64):
     # right, wrong, right: one accepted, the model's token replaces the wrong one, nothing after it
     wrong = (ref[6] + 1) % (lm.mask_token_id - 1)
     dec.drafts = [ref[5], wrong, ref[7]]
-    rec = dec.step()
+    rec = dec.run_pass()
     assert rec.drafts_accepted == 1 and rec.correction == ref[6] and rec.kept == ref[5:7]
     assert rec.block_end == "draft rejected" and dec.drafts == []
     assert rec.correction_text == lm.tokenizer.decode([ref[6]]) and len(rec.draft_texts) == 3
@@ -85,9 +85,9 @@ def test_stop_token_inside_accepted_drafts(tiny_lm64):
     prompt, ref, i = next((p, r, i) for p, r in cases for i in range(2, 5) if r[i] not in r[:i])
     lm = dataclasses.replace(tiny_lm64, stop_token_ids=(ref[i],))
     dec = Decoder(lm, lm.prompt_ids(prompt), verify(6), 12)
-    dec.step()
+    dec.run_pass()
     dec.drafts = ref[1:6]
-    rec = dec.step()
+    rec = dec.run_pass()
     assert rec.stopped and rec.block_end == "stop token" and dec.done
     assert dec.generated == ref[: i + 1]  # up to and including the stop token, nothing after it
 
@@ -97,9 +97,9 @@ def test_max_new_tokens_inside_accepted_drafts(tiny_lm64, n):
     lm = dataclasses.replace(tiny_lm64, stop_token_ids=())
     ref = generate(lm, PROMPTS[1], standard(), 10).token_ids
     dec = Decoder(lm, lm.prompt_ids(PROMPTS[1]), verify(6), n)
-    dec.step()
+    dec.run_pass()
     dec.drafts = ref[1:6]
-    rec = dec.step()
+    rec = dec.run_pass()
     assert dec.done and dec.generated == ref[:n] and rec.block_end == "max_new_tokens"
 
 

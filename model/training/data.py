@@ -13,17 +13,16 @@ Bad rows stop the run before any training step with ``file:line: reason``.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
+
+from ..engine.text import encode_literal
+from ..errors import DataError
+from ..jsonl import read_jsonl_rows
 
 FIELD_PAIRS = (("question", "answer"), ("prompt", "response"))
-
-
-class DataError(ValueError):
-    """Unusable training data; the message names the file, the line and the reason."""
 
 
 @dataclass(frozen=True)
@@ -77,28 +76,18 @@ def read_jsonl(path: str | Path, *, need_response: bool = True, limit: int | Non
     """Read and validate a JSONL file of examples.
 
     Raises:
-        DataError: missing or empty file, a line that is not JSON, a row without the fields.
+        DataError: missing or empty file, a line that is not UTF-8 or not JSON (``file:line:column``),
+            a row without the fields (``file:line``).
     """
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"{p}: no such data file.")
     out: list[Example] = []
-    with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{p}:{n}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}).") from None
-            ex = _row_example(row, where, need_response)
-            if ex is not None:
-                out.append(ex)
-            if limit is not None and len(out) >= limit:
-                break
+    for where, row in read_jsonl_rows(path):
+        ex = _row_example(row, where, need_response)
+        if ex is not None:
+            out.append(ex)
+        if limit is not None and len(out) >= limit:
+            break
     if not out:
-        raise DataError(f"{p}: no examples (the file is empty).")
+        raise DataError(f"{path}: no examples (the file is empty).")
     return out
 
 
@@ -130,31 +119,24 @@ def load_examples(spec: str, *, need_response: bool = True, split: str = "train"
     return out
 
 
-def write_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
-    """Write rows as JSONL (UTF-8)."""
-    with Path(path).open("w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n")
-
-
-def encode(lm: Any, examples: Sequence[Example], seq_len: int) -> tuple[list[list[int]], list[int], int]:
+def encode(lm: Any, examples: Sequence[Example], seq_len: int) -> tuple[list[list[int]], list[int], list[str]]:
     """Ground-truth sequences: ``lm.prompt_ids(prompt)`` + response tokens + EOS (none after an
     incomplete generated answer), cut at ``seq_len``.
 
-    Prompt and response are tokenised literally: text that spells a special token stays text.
+    Prompt and response are tokenised literally: text that spells a special token stays text. Every
+    sequence kept has at least one response token, so it holds an MTP region at any grid offset
+    (:func:`model.training.layout.place_regions` wraps the offset within a short response).
 
     Returns:
-        ``(sequences, response_starts, dropped)``: rows whose prompt leaves no room for a response
-        token within ``seq_len`` are dropped (counted).
+        ``(sequences, response_starts, dropped)``: ``dropped`` says, for each row whose prompt leaves no
+        room for a response token within ``seq_len``, ``"file:line: why"``.
 
     Raises:
         DataError: an example without a response; every example dropped.
     """
-    from .text import encode_literal
-
     tok = lm.tokenizer
     end = list(lm.stop_token_ids[:1])  # the model's EOS; a model without one ends its rows without it
-    seqs, starts, dropped = [], [], 0
+    seqs, starts, dropped = [], [], []
     for ex in examples:
         if ex.response is None:
             raise DataError(f"{ex.where}: no response to train on (generate them with --self-distill-answers).")
@@ -162,10 +144,13 @@ def encode(lm: Any, examples: Sequence[Example], seq_len: int) -> tuple[list[lis
         r = encode_literal(tok, ex.response) + (end if ex.complete else [])  # response text is content, never markup
         seq = (p + r)[:seq_len]
         if len(p) >= len(seq):
-            dropped += 1
+            dropped.append(f"{ex.where}: the prompt is {len(p)} tokens, no room for an answer token within "
+                           f"--seq-len {seq_len}")
             continue
         seqs.append(seq)
         starts.append(len(p))
     if not seqs:
-        raise DataError(f"Every example's prompt fills --seq-len {seq_len}: raise --seq-len.")
+        first = f" (e.g. {dropped[0]})" if dropped else ""
+        raise DataError(f"All {len(dropped)} examples were dropped: every prompt fills --seq-len {seq_len}{first}. "
+                        "Raise --seq-len.")
     return seqs, starts, dropped

@@ -1,6 +1,6 @@
 """The MTP self-distillation objective, student forced (paper 3.3; docs/DESIGN.md).
 
-One training step on a blocked :class:`~model.layout.Layout`:
+One training step on a blocked :class:`~model.training.layout.Layout`:
 
 1. **student** forward (with gradient) -> logits at the ``P`` predicted positions;
    ``y'`` = their argmax (no gradient; the mask token is never proposed);
@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .layout import Layout, SpanLayout
+from ..engine.loaded_model import LoadedModel
+from .layout import Layout, SpanLayout, build_layout, build_span_layout, place_regions
 
 
 @dataclass
@@ -37,7 +38,6 @@ class StepOutput:
         labels: ``[P]`` hard labels (the teacher's argmax; EOS after the row's end).
         student_confidence: ``[P]`` student top-1 probability (float32, mask token excluded).
         block: ``[P]`` block index of each predicted position.
-        loss_positions: ``[P]`` bool, positions that entered the loss.
         k: the step's block size.
     """
 
@@ -46,7 +46,6 @@ class StepOutput:
     labels: torch.Tensor
     student_confidence: torch.Tensor
     block: torch.Tensor
-    loss_positions: torch.Tensor
     k: int
 
     def metrics(self) -> dict[str, float]:
@@ -162,7 +161,7 @@ def mtp_objective(
 
     Args:
         student: the trained model (any wrapper); called with gradient.
-        layout: from :func:`model.layout.build_layout`, on the model's device.
+        layout: from :func:`model.training.layout.build_layout`, on the model's device.
         mask_token_id: never proposed by the student nor used as a label.
         eos_token_id: label for block positions after the row's EOS.
         teacher: the frozen teacher; default: ``student`` itself.
@@ -186,7 +185,7 @@ def mtp_objective(
     labels, loss = _labels_and_loss(s_logits, t_logits, layout.pred_after_eos, use, mask_token_id=mask_token_id,
                                     eos_token_id=eos_token_id, soft_teacher=soft_teacher)
     return StepOutput(loss=loss, student_tokens=y, labels=labels, student_confidence=conf, block=layout.pred_block,
-                      loss_positions=use, k=layout.k)
+                      k=layout.k)
 
 
 # ----------------------------------------------------------------------- activated adapters
@@ -242,17 +241,17 @@ def alora_objective(
     ``y'`` on the same spans with the adapter off. The loss covers block positions ``j ≥ 1``.
 
     Args:
-        model: the peft aLoRA model (possibly DDP-wrapped: then pass the bare one as ``unwrapped``).
-        span: from :func:`model.layout.build_span_layout`, on the model's device.
+        model: the peft aLoRA model (possibly DDP-wrapped: then pass the plain module as ``unwrapped``).
+        span: from :func:`model.training.layout.build_span_layout`, on the model's device.
         base_context: factory of the adapter-off context (``unwrapped.disable_adapter``).
 
     Returns:
         :class:`StepOutput`.
     """
-    bare = unwrapped if unwrapped is not None else model
+    unwrapped = unwrapped if unwrapped is not None else model
     B = span.gt_ids.shape[0]
     with base_context():
-        cache, anchor_logits = phase1_prefix(bare, span)
+        cache, anchor_logits = phase1_prefix(unwrapped, span)
     masks = span.pred_block > 0
     s_mask = phase2_logits(model, span, cache, alora_offsets=[span.span_len] * B)
     s_logits = torch.where(masks[:, None], s_mask, anchor_logits.to(s_mask.dtype))
@@ -263,9 +262,72 @@ def alora_objective(
         sel = torch.nonzero(masks).flatten()
         t_ids[span.pred_batch[sel], span.pred_span_slot[sel]] = y[sel - 1]
         with base_context():
-            t_mask = phase2_logits(bare, span, cache, span_ids=t_ids)
+            t_mask = phase2_logits(unwrapped, span, cache, span_ids=t_ids)
         t_logits = torch.where(masks[:, None], t_mask, anchor_logits.to(t_mask.dtype))
     labels, loss = _labels_and_loss(s_logits, t_logits, span.pred_after_eos, masks, mask_token_id=mask_token_id,
                                     eos_token_id=eos_token_id, soft_teacher=soft_teacher)
     return StepOutput(loss=loss, student_tokens=y, labels=labels, student_confidence=conf, block=span.pred_block,
-                      loss_positions=masks, k=span.k)
+                      k=span.k)
+
+
+# ----------------------------------------------------------------------- one batch, as training lays it out
+@dataclass
+class Setup:
+    """The student and how to get its teacher.
+
+    Attributes:
+        lm: the loaded model (``lm.model`` is the student: a peft model for lora / alora).
+        student: the trainable module.
+        teacher: a frozen copy for full fine-tuning; None for adapters (the teacher is the student
+            with its adapter disabled, peft's ``disable_adapter``) and when the model is its own teacher.
+        kind: ``full``, ``lora`` or ``alora``.
+    """
+
+    lm: LoadedModel
+    student: Any
+    teacher: Any | None
+    kind: str
+
+
+def pad_id(lm: LoadedModel) -> int:
+    """The padding id of layouts (the tokenizer's pad token, else the model's EOS, else 0)."""
+    tok = lm.tokenizer
+    if tok.pad_token_id is not None:
+        return int(tok.pad_token_id)
+    return int(lm.stop_token_ids[0]) if lm.stop_token_ids else 0
+
+
+def batch_objective(setup: Setup, model: Any, unwrapped: Any, seqs: Sequence[Sequence[int]], starts: Sequence[int], *,
+                    k: int, offset: int, spacing: int, num_regions: int, soft_teacher: bool = False
+                    ) -> StepOutput | None:
+    """Lay out one batch (regions on the grid, :mod:`model.training.layout`) and evaluate the objective on
+    it (:func:`alora_objective` for activated adapters, else :func:`mtp_objective`): shared by the
+    training step and the held-out scoring.
+
+    Args:
+        model: the student as called (possibly DDP-wrapped); ``unwrapped``: the plain module.
+        seqs: ground-truth rows (prompt + response token ids); ``starts``: each row's first response index.
+        k: block size; ``offset``, ``spacing``, ``num_regions``: the region grid.
+
+    Returns:
+        The :class:`StepOutput`, or None when the batch holds no region (every row too short for a
+        block at this grid).
+    """
+    lm = setup.lm
+    pad = pad_id(lm)
+    # Rows end with the model's first stop token (training.data.encode); a model without one has no EOS
+    # rule (no region ever reaches an EOS, so the label used after it never appears).
+    eos = int(lm.stop_token_ids[0]) if lm.stop_token_ids else pad
+    regions = place_regions(seqs, starts, k=k, offset=offset, spacing=spacing, num_regions=num_regions,
+                            eos_token_id=list(lm.stop_token_ids))
+    if not regions:
+        return None
+    layout = build_layout(seqs, regions, mask_token_id=lm.mask_token_id, pad_token_id=pad)
+    dev = next(unwrapped.parameters()).device
+    ctx = unwrapped.disable_adapter if setup.kind != "full" else None
+    if setup.kind == "alora":
+        span = build_span_layout(layout, mask_token_id=lm.mask_token_id, pad_token_id=pad).to(dev)
+        return alora_objective(model, span, mask_token_id=lm.mask_token_id, eos_token_id=eos, base_context=ctx,
+                               soft_teacher=soft_teacher, unwrapped=unwrapped)
+    return mtp_objective(model, layout.to(dev), mask_token_id=lm.mask_token_id, eos_token_id=eos,
+                         teacher=setup.teacher, teacher_context=ctx, soft_teacher=soft_teacher)

@@ -1,7 +1,7 @@
 """The on-disk format of a trained MTP checkpoint: one writer, one reader.
 
-:func:`save_mtp_checkpoint` (called by :mod:`model.train`) writes a directory that
-:func:`model.checkpoint.load_checkpoint` reads back through :func:`read_meta`,
+:func:`save_mtp_checkpoint` (called by training) writes a directory that
+:func:`model.engine.loading.load_checkpoint` reads back through :func:`read_meta`,
 :func:`load_mask_rows` and peft. Every MTP directory holds ``mtp_adapter.json``:
 
 ``base``
@@ -34,8 +34,9 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
+DEFAULT_MASK_TOKEN = "<|mtp_special_token_0|>"  # the authors' name for the mask token (paper 3.1)
 META_FILE = "mtp_adapter.json"
 MASK_ROWS_FILE = "mask_rows.safetensors"
 KINDS = ("full", "lora", "alora")
@@ -83,8 +84,6 @@ def read_meta(path: str | Path) -> MTPMeta:
         raise CheckpointError(f"{path} says adapter {kind!r} but has no adapter_config.json.")
     if kind == "full" and not (path / "config.json").is_file():
         raise CheckpointError(f"{path} says adapter 'full' but has no config.json (model weights).")
-    from .checkpoint import DEFAULT_MASK_TOKEN
-
     return MTPMeta(base=raw["base"], adapter=kind, mask_token=raw.get("mask_token", DEFAULT_MASK_TOKEN),
                    prompt_format=raw.get("prompt_format"), k_max=raw.get("k_max"))
 

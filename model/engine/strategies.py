@@ -2,7 +2,7 @@
 
 The one vocabulary of strategies that the CLI, the app, the evaluation, the benchmark and the
 lm-eval model share: their names, parameters, defaults, caps, labels and spec strings are written
-here once.
+here once, and :func:`resolve_strategy` is the one way from user input to a strategy.
 
 =============  ===========================  =======================================================
 spec           class                        a forward pass keeps
@@ -200,7 +200,7 @@ class ConfAdapt(Strategy):
 class Verify(Strategy):
     """Lossless self-speculative decoding: the mask proposals of one pass are fed as real tokens
     (drafts) in the next and kept while they equal the model's own greedy choice, plus the model's
-    next token (see :mod:`model.decoding`). Output == standard decoding of the same model."""
+    next token (see :mod:`model.engine.decoding`). Output == standard decoding of the same model."""
 
     name: ClassVar[str] = "verify"
     verifies: ClassVar[bool] = True
@@ -227,16 +227,13 @@ def standard() -> Standard:
     return Standard()
 
 
-def static_k(k: Any, k_max: Any = None) -> StaticK:
-    """Static k (paper 4.5).
+def static_k(k: Any = DEFAULT_STATIC_K) -> StaticK:
+    """Static k (paper 4.5): keep the first ``k`` proposals of every pass.
 
     Raises:
-        ValueError: ``k`` not in 1 .. :data:`MAX_K_MAX`, or ``k > k_max`` when ``k_max`` is given.
+        ValueError: ``k`` not in 1 .. :data:`MAX_K_MAX`.
     """
-    k = parse_whole_number(k, "k", 1, MAX_K_MAX)
-    if k_max is not None and k > check_k_max(k_max):
-        raise ValueError(f"k ({k}) cannot exceed k_max ({k_max}).")
-    return StaticK(k=k)
+    return StaticK(k=parse_whole_number(k, "k", 1, MAX_K_MAX))
 
 
 def confadapt(tau: Any = DEFAULT_TAU, k_max: Any = DEFAULT_K_MAX) -> ConfAdapt:
@@ -257,66 +254,71 @@ def verify(k_max: Any = DEFAULT_K_MAX) -> Verify:
     return Verify(k_max=check_k_max(k_max))
 
 
-def make_strategy(name: Any, *, tau: Any = DEFAULT_TAU, k_max: Any = None, k: Any = DEFAULT_STATIC_K) -> Strategy:
-    """A strategy from separate arguments (CLI flags, app controls); only the ones it uses are checked.
+def _k_max_in(value: Any, cap: int) -> int:
+    return parse_whole_number(value, "k_max", 1, cap)
+
+
+def resolve_strategy(
+    choice: Any,
+    *,
+    tau: Any = None,
+    k_max: Any = None,
+    k: Any = None,
+    default_k_max: int = DEFAULT_K_MAX,
+    cap: int = MAX_K_MAX,
+) -> Strategy:
+    """The one way from what a user gave to a :class:`Strategy` (CLIs, the app, evaluation, bench, lm-eval).
 
     Args:
-        name: ``standard``, ``static``, ``confadapt`` or ``verify`` (case and spaces ignored;
-            the app's labels ``static k`` and ``lossless`` are accepted too).
-        tau: ConfAdapt's threshold.
-        k_max: proposals per pass for ConfAdapt / verify (None: :data:`DEFAULT_K_MAX`); for static k,
-            when given, an upper bound that ``k`` must respect.
-        k: static k's block size.
+        choice: a name (``standard``, ``static``, ``confadapt``, ``verify``; case and spaces ignored)
+            whose parameters come from the keyword arguments, or a spec (``static:K``,
+            ``confadapt:TAU[:K_MAX]``, ``verify[:K_MAX]``) whose own values win over them.
+        tau: ConfAdapt's threshold; None: :data:`DEFAULT_TAU`.
+        k_max: proposals per pass; None: ``default_k_max``. For static k, when given, an upper bound
+            that ``k`` must respect.
+        k: static k's block size; None: :data:`DEFAULT_STATIC_K`.
+        default_k_max: the model's k_max (:attr:`LoadedModel.default_k_max`, or
+            :func:`~model.engine.loading.trained_k_max` before loading), used when no k_max is given;
+            at most ``cap``.
+        cap: the caller's largest k_max and static k (the engine's :data:`MAX_K_MAX`, the app's own).
 
     Raises:
-        ValueError: an unknown name or an invalid parameter, with a message naming it.
+        ValueError: an unknown name, a malformed spec or an out-of-range parameter, naming it.
     """
-    key = str(name or "").strip().lower().replace(" ", "")
-    key = {"statick": "static", "lossless": "verify"}.get(key, key)
-    if key == "standard":
-        return standard()
-    if key == "static":
-        return static_k(k, k_max)
-    if key == "confadapt":
-        return confadapt(tau, DEFAULT_K_MAX if k_max is None else k_max)
-    if key == "verify":
-        return verify(DEFAULT_K_MAX if k_max is None else k_max)
-    raise ValueError(f"Unknown strategy {name!r}: use {', '.join(STRATEGY_NAMES)}.")
-
-
-def parse_strategy(spec: str, default_k_max: int = DEFAULT_K_MAX) -> Strategy:
-    """Parse one spec: ``standard``, ``static:K``, ``confadapt:TAU[:K_MAX]``, ``verify[:K_MAX]``.
-
-    Raises:
-        ValueError: a malformed spec, with the accepted forms.
-    """
-    parts = str(spec).strip().lower().split(":")
-    head, args = parts[0], parts[1:]
+    head, *args = str(choice or "").strip().lower().replace(" ", "").split(":")
+    if head not in STRATEGY_NAMES or (head == "standard" and args) or len(args) > (1 if head in ("static", "verify") else 2):
+        raise ValueError(f"Unknown strategy {choice!r}: use {SPEC_HELP}.")
     try:
-        if head == "standard" and not args:
+        if head == "standard":
             return standard()
-        if head == "static" and len(args) == 1:
-            return static_k(args[0])
-        if head == "confadapt" and len(args) in (1, 2):
-            return confadapt(args[0], args[1] if len(args) == 2 else default_k_max)
-        if head == "verify" and len(args) <= 1:
-            return verify(args[0] if args else default_k_max)
+        if head == "static":
+            size = parse_whole_number(args[0] if args else (DEFAULT_STATIC_K if k is None else k), "k", 1, cap)
+            if k_max is not None and not args and size > _k_max_in(k_max, cap):
+                raise ValueError(f"k ({size}) cannot exceed k_max ({k_max}).")
+            return StaticK(k=size)
+        if head == "confadapt":
+            t = parse_tau(args[0] if args else (DEFAULT_TAU if tau is None else tau))
+            km = args[1] if len(args) > 1 else (min(default_k_max, cap) if k_max is None else k_max)
+            return ConfAdapt(tau=t, k_max=_k_max_in(km, cap))
+        km = args[0] if args else (min(default_k_max, cap) if k_max is None else k_max)
+        return Verify(k_max=_k_max_in(km, cap))
     except ValueError as e:
-        raise ValueError(f"Bad strategy {spec!r}: {e}") from None
-    raise ValueError(f"Bad strategy {spec!r}: use {SPEC_HELP}.")
+        raise ValueError(f"Bad strategy {choice!r}: {e}" if args else str(e)) from None
 
 
-def parse_strategies(specs: str | Sequence[str], default_k_max: int = DEFAULT_K_MAX) -> list[Strategy]:
-    """Parse a comma-separated list (or a list) of specs; duplicates are dropped, order kept.
+def parse_strategies(specs: str | Sequence[str | Strategy], default_k_max: int = DEFAULT_K_MAX,
+                     cap: int = MAX_K_MAX) -> list[Strategy]:
+    """A comma-separated list (or a list) of names or specs, each through :func:`resolve_strategy`
+    (strategies in the list are kept as they are); duplicates are dropped, order kept.
 
     Raises:
-        ValueError: an empty list or a malformed spec.
+        ValueError: an empty list or a bad entry.
     """
     items = specs.split(",") if isinstance(specs, str) else list(specs)
     out: list[Strategy] = []
     for s in items:
-        if s.strip():
-            st = parse_strategy(s, default_k_max)
+        if isinstance(s, Strategy) or s.strip():
+            st = s if isinstance(s, Strategy) else resolve_strategy(s, default_k_max=default_k_max, cap=cap)
             if st not in out:
                 out.append(st)
     if not out:

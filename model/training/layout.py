@@ -129,7 +129,10 @@ def place_regions(
     """Anchors on the grid ``r - 1 + offset + m * spacing`` of each row's response part.
 
     An anchor must lie before the row's first EOS at or after ``r`` (the EOS rule) and before the
-    row's last token; at most ``num_regions`` regions per row.
+    row's last token; at most ``num_regions`` regions per row. A row whose response offers fewer
+    anchor places than ``offset`` (a short answer) takes the offset modulo that number, so every row
+    with a response token holds at least one region whatever the offset (no row, and so no batch,
+    is ever without one).
 
     Raises:
         ValueError: a response start outside ``[1, len(row) - 1]``, bad ``k`` / ``spacing``.
@@ -147,8 +150,9 @@ def place_regions(
                              "(need a non-empty prompt and at least one response token).")
         eos = next((t for t in range(r, n) if int(seq[t]) in eos_ids), None)
         limit = eos if eos is not None else n - 1  # anchors < limit
+        places = max(limit - (r - 1), 1)  # anchor places r - 1 .. limit - 1
         for m in range(num_regions):
-            a = r - 1 + offset + m * spacing
+            a = r - 1 + offset % places + m * spacing
             if a >= limit:
                 break
             regions.append(Region(b, a, k, eos))

@@ -1,4 +1,4 @@
-"""GSM8K answer extraction: the gold number after ``####`` and a flexible extractor for model outputs.
+"""GSM8K: problems from JSONL, the prompt, the gold number after ``####`` and a flexible extractor for answers.
 
 The flexible extractor follows lm-eval-harness's GSM8K "flexible-extract" idea (the last number in
 the text) with a few safer rules for chatty instruct models:
@@ -16,8 +16,15 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal, InvalidOperation
+from pathlib import Path
 
-__all__ = ["extract_gold", "extract_answer", "normalize_number", "is_correct"]
+from ..errors import DataError
+from ..jsonl import read_jsonl_rows
+
+__all__ = ["STEP_BY_STEP", "load_problems", "make_prompt", "extract_gold", "extract_answer", "normalize_number",
+           "is_correct"]
+
+STEP_BY_STEP = "Let's think step by step."
 
 # A number: optional sign, optional $, digits with optional thousands commas, optional decimals.
 _NUM = r"-?\$?\s?\d+(?:,\d+)*(?:\.\d+)?|-?\$?\.\d+"
@@ -92,3 +99,46 @@ def extract_answer(text: str) -> str | None:
 def is_correct(extracted: str | None, gold: str) -> bool:
     """True when the extracted number equals the gold one (both normalised)."""
     return extracted is not None and normalize_number(extracted) == normalize_number(gold)
+
+
+# --------------------------------------------------------------------------- problems
+def load_problems(path: str | Path, limit: int | None = None) -> list[dict]:
+    """Read GSM8K-format JSONL: one ``{"question": ..., "answer": "... #### 18"}`` per line.
+
+    Args:
+        path: the JSONL file.
+        limit: keep only the first ``limit`` problems (None: all).
+
+    Returns:
+        ``[{"index", "question", "answer", "gold"}]`` with ``gold`` the normalised number.
+
+    Raises:
+        DataError: missing file, a line that is not UTF-8 or JSON, missing fields, an answer without
+            ``#### number``, no problems (``file:line[:column]: reason``); ValueError: a bad limit.
+    """
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"--limit must be an integer ≥ 1, got {limit!r}.")
+    problems: list[dict] = []
+    for where, row in read_jsonl_rows(path):
+        if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(
+                row.get("answer"), str):
+            raise DataError(f"{where}: needs string fields 'question' and 'answer' (GSM8K format).")
+        try:
+            gold = extract_gold(row["answer"])
+        except ValueError as e:
+            raise DataError(f"{where}: {e}") from None
+        problems.append({"index": len(problems), "question": row["question"], "answer": row["answer"], "gold": gold})
+        if limit is not None and len(problems) >= limit:
+            break
+    if not problems:
+        raise DataError(f"{path} holds no problems.")
+    return problems
+
+
+def make_prompt(question: str, step_by_step: bool = False) -> str:
+    """The user message for one problem: the question, optionally followed by "Let's think step by step."
+
+    The model's own prompt format (chat template or ``bos + text + "\\n\\n"``) is applied by
+    :meth:`LoadedModel.prompt_ids`.
+    """
+    return f"{question.strip()}\n{STEP_BY_STEP}" if step_by_step else question.strip()

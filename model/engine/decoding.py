@@ -5,21 +5,21 @@ A forward pass feeds, at ordinary consecutive positions with plain causal attent
     pending real tokens  +  drafts  +  (k_max - 1) mask tokens
 
 * **pending**: the tokens emitted but not yet in the KV cache (the prompt on the first pass);
-* **drafts** (only :class:`~model.strategies.Verify`): the previous pass's mask proposals, fed as
+* **drafts** (only :class:`~model.engine.strategies.Verify`): the previous pass's mask proposals, fed as
   real tokens so that this pass's logits check them;
 * **masks**: the mask token, whose logits propose the tokens after the last real one.
 
-Each pass goes through four phases, each a function or method below:
+:meth:`Decoder.run_pass` runs one forward pass through four phases, each a function below:
 
 1. **propose** (:func:`propose`): greedy token and confidence (top-1 probability, float32, the
    mask token excluded) at the last pending token, at each draft and at each mask;
-2. **accept**: block strategies keep a leading run of the block ``[greedy at the last real token,
-   mask proposals...]`` (:meth:`Strategy.accept`), cut where a proposal cannot continue an open
-   UTF-8 character (:func:`cut_broken_utf8`); verification keeps the drafts equal to the model's
-   greedy choice, then the model's own next token (:func:`accept_drafts`);
-3. **trim**: up to and including the first stop token, and never past ``max_new_tokens``;
-4. **commit**: crop the KV cache back to the real tokens that stay valid (never a mask, never a
-   rejected draft) and record the pass in a :class:`PassRecord`.
+2. **accept** (:func:`accept`): block strategies keep a leading run of the block ``[greedy at the
+   last real token, mask proposals...]`` (:meth:`Strategy.accept`), cut where a proposal cannot
+   continue an open UTF-8 character (:func:`cut_broken_utf8`); verification keeps the drafts equal
+   to the model's greedy choice, then the model's own next token (:func:`accept_drafts`);
+3. **trim** (:func:`trim`): up to and including the first stop token, never past ``max_new_tokens``;
+4. **commit** (:func:`commit`): crop the KV cache back to the real tokens that stay valid (never a
+   mask, never a rejected draft); the decoder then records the pass in a :class:`PassRecord`.
 
 Invariant after every pass: the cache holds exactly ``cached_ids`` and ``cached_ids + pending ==
 prompt + generated``. The app, the evaluation and the benchmark consume pass records only.
@@ -29,21 +29,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
-from .checkpoint import LoadedModel
+from ..errors import ContextBudgetError, NonFiniteLogitsError
+from .loaded_model import LoadedModel
 from .strategies import Strategy, check_max_new_tokens
 from .text import continues_utf8, open_utf8_bytes, text_bytes
-
-
-class ContextBudgetError(ValueError):
-    """The prompt, the answer and a pass's look-ahead do not fit in the model's positions."""
-
-
-class NonFiniteLogitsError(RuntimeError):
-    """A forward pass produced NaN or infinite logits: no token can be chosen from them."""
 
 
 # --------------------------------------------------------------------------- records
@@ -233,6 +226,76 @@ def cut_broken_utf8(lm: LoadedModel, generated: Sequence[int], block: Sequence[i
     return n
 
 
+@dataclass
+class Acceptance:
+    """What the accept phase decided for one pass.
+
+    Attributes:
+        kept: the tokens to emit, before trimming.
+        reason: why the block ends (see :attr:`PassRecord.block_end`).
+        drafts_accepted: leading drafts equal to the model's own choice (verification; else 0).
+        correction: the model's token in place of the first rejected draft, or None.
+        next_drafts: the drafts the next pass feeds (verification; else empty).
+    """
+
+    kept: list[int]
+    reason: str
+    drafts_accepted: int = 0
+    correction: int | None = None
+    next_drafts: list[int] = field(default_factory=list)
+
+
+def accept(lm: LoadedModel, strategy: Strategy, generated: Sequence[int], drafts: Sequence[int],
+           checks: Sequence[int], block: Sequence[int], block_conf: Sequence[float]) -> Acceptance:
+    """The accept phase: which of a pass's proposals become output.
+
+    Args:
+        generated: tokens emitted before this pass.
+        drafts: the drafts this pass fed (verification); ``checks``: the model's greedy token at each.
+        block: ``k_max`` proposals (at the last real token, then one per mask); ``block_conf``: their
+            confidences.
+    """
+    if strategy.verifies:
+        a = accept_drafts(drafts, checks)
+        kept = list(drafts[:a]) + [(list(checks) + list(block))[a]]
+        rejected = a < len(drafts)
+        return Acceptance(kept, "draft rejected" if rejected else "k_max", a, checks[a] if rejected else None,
+                          [] if rejected else list(block[1:]))
+    n, reason = strategy.accept(block_conf)
+    cut = cut_broken_utf8(lm, generated, block, n)
+    if cut < n:
+        n, reason = cut, "utf-8"
+    return Acceptance(list(block[:n]), reason)
+
+
+def trim(kept: Sequence[int], reason: str, room: int, stop_ids: set[int]) -> tuple[list[int], str, bool]:
+    """The trim phase: the kept tokens up to and including the first stop token, at most ``room``
+    (``max_new_tokens`` is exact). Returns ``(kept, reason, stopped)``."""
+    kept = list(kept)
+    if len(kept) > room:
+        kept, reason = kept[:room], "max_new_tokens"
+    for i, t in enumerate(kept):
+        if t in stop_ids:
+            return kept[: i + 1], "stop token", True
+    return kept, reason, False
+
+
+def commit(cache: Any, fed: int, pending: int, kept: Sequence[int], verifies: bool) -> list[int]:
+    """The commit phase: crop the KV cache back to the entries that stay valid — the pending tokens and,
+    when verifying, the drafts that were kept (their entries are already right) — and return the kept
+    tokens whose entries stay in the cache. Never a mask entry, never a rejected draft's.
+
+    Args:
+        cache: the pass's KV cache (``crop(-n)`` drops the last ``n`` entries).
+        fed: tokens the pass fed; ``pending``: of which pending real tokens (first in the pass).
+    """
+    in_cache = list(kept[:-1]) if verifies else []
+    drop = fed - pending - len(in_cache)
+    if drop:
+        cache.crop(-drop)
+    return in_cache
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -252,7 +315,7 @@ class Decoder:
     Args:
         lm: the loaded model.
         prompt_ids: the prompt, ``prompt_len`` token ids (``lm.prompt_ids(...)``).
-        strategy: from :mod:`model.strategies`.
+        strategy: from :mod:`model.engine.strategies`.
         max_new_tokens: exact upper bound on generated tokens.
 
     Raises (at construction):
@@ -280,80 +343,49 @@ class Decoder:
 
     def __iter__(self) -> Iterator[PassRecord]:
         while not self.done:
-            yield self.step()
+            yield self.run_pass()
 
     @torch.inference_mode()
-    def step(self) -> PassRecord:
-        """Run one forward pass and return its record. Raises StopIteration when done.
+    def run_pass(self) -> PassRecord:
+        """Run one forward pass (propose, accept, trim, commit) and return its record.
 
         Raises:
+            StopIteration: the generation is done.
             NonFiniteLogitsError: the pass produced NaN / infinite logits (the decoder stops).
         """
         if self.done:
             raise StopIteration
-        lm, dev, s = self.lm, self.lm.device, self.strategy
-        m, drafts = s.num_masks, self.drafts
-        fed = self.pending + drafts + [lm.mask_token_id] * m
-        _sync(dev)
+        lm, s, drafts = self.lm, self.strategy, self.drafts
+        fed = self.pending + drafts + [lm.mask_token_id] * s.num_masks
+        _sync(lm.device)
         t0 = time.perf_counter()
-        ids = torch.tensor([fed], dtype=torch.long, device=dev)
-        logits = lm.forward(ids, self.cache, num_masks=m, logits_to_keep=len(drafts) + 1 + m)[0]
+        ids = torch.tensor([fed], dtype=torch.long, device=lm.device)
+        logits = lm.forward(ids, self.cache, num_masks=s.num_masks, logits_to_keep=len(drafts) + s.k_max)[0]
         try:
             greedy, conf = propose(logits, lm.mask_token_id)
         except NonFiniteLogitsError:
             self.done = True
             raise
         checks, block, block_conf = greedy[: len(drafts)], greedy[len(drafts):], conf[len(drafts):]
-
-        # accept
-        correction = None
-        if s.verifies:
-            a = accepted = accept_drafts(drafts, checks)
-            kept = list(drafts[:a]) + [(checks + block)[a]]
-            if a < len(drafts):
-                correction, reason = checks[a], "draft rejected"
-            else:
-                reason = "k_max"
-            accepted = len(kept)
-            next_drafts = block[1:] if a == len(drafts) else []
-        else:
-            n, reason = s.accept(block_conf)
-            cut = cut_broken_utf8(lm, self.generated, block, n)
-            if cut < n:
-                n, reason = cut, "utf-8"
-            a, accepted, kept, next_drafts = 0, n, block[:n], []
-
-        # trim: the first stop token ends the answer; max_new_tokens is exact
-        room = self.max_new_tokens - len(self.generated)
-        if len(kept) > room:
-            kept, reason = kept[:room], "max_new_tokens"
-        stopped = False
-        for i, t in enumerate(kept):
-            if t in self._stop:
-                kept, reason, stopped = kept[: i + 1], "stop token", True
-                break
-
-        # commit: the cache keeps the pending tokens and, when verifying, the kept drafts
-        in_cache = kept[:-1] if s.verifies else []
-        drop = len(fed) - len(self.pending) - len(in_cache)
-        if drop:
-            self.cache.crop(-drop)
-        _sync(dev)
+        acc = accept(lm, s, self.generated, drafts, checks, block, block_conf)
+        kept, reason, stopped = trim(acc.kept, acc.reason, self.max_new_tokens - len(self.generated), self._stop)
+        in_cache = commit(self.cache, len(fed), len(self.pending), kept, s.verifies)
+        _sync(lm.device)
         seconds = time.perf_counter() - t0
 
         self.cached_ids.extend(self.pending + in_cache)
         self.generated.extend(kept)
         self.pending = kept[-1:] if s.verifies else kept
-        self.drafts = next_drafts
+        self.drafts = acc.next_drafts
         self.done = stopped or len(self.generated) >= self.max_new_tokens
-        tok = lm.tokenizer
+        decode = lm.tokenizer.decode
         rec = PassRecord(
-            index=len(self.passes), fed_real=len(fed) - len(drafts) - m, fed_masks=m, proposals=block,
-            proposal_texts=[tok.decode([t]) for t in block], confidences=block_conf, kept=kept,
-            text=self._text_delta(), accepted=accepted, seconds=seconds, stopped=stopped, block_end=reason,
-            fed_drafts=len(drafts), drafts=list(drafts), draft_texts=[tok.decode([t]) for t in drafts],
-            draft_checks=checks, draft_confidences=conf[: len(drafts)], drafts_accepted=a, correction=correction,
-            correction_text=tok.decode([correction]) if correction is not None else "",
+            index=len(self.passes), fed_real=len(fed) - len(drafts) - s.num_masks, fed_masks=s.num_masks,
+            proposals=block, proposal_texts=[decode([t]) for t in block], confidences=block_conf, kept=kept,
+            text=self._text_delta(), accepted=len(acc.kept), seconds=seconds, stopped=stopped, block_end=reason,
+            fed_drafts=len(drafts), drafts=list(drafts), draft_texts=[decode([t]) for t in drafts],
+            draft_checks=checks, draft_confidences=conf[: len(drafts)], drafts_accepted=acc.drafts_accepted,
+            correction=acc.correction, correction_text=decode([acc.correction]) if acc.correction is not None else "",
         )
         self.passes.append(rec)
         return rec

