@@ -1,4 +1,11 @@
-"""Shared fixtures: tiny random models (unit tests) and the real SmolLM2 GGUF (integration)."""
+"""Shared fixtures: tiny random models over SmolLM2's tokenizer (unit tests) and the real SmolLM2
+GGUF (integration).
+
+Markers: ``integration`` = the test runs the real SmolLM2-135M model; ``browser`` = it drives
+Chromium. ``pytest -m "not integration and not browser"`` runs every pure test: they need SmolLM2's
+*tokenizer* (``base_tokenizer``), never its weights. A test whose fixtures load the real model is
+marked ``integration`` here (:func:`pytest_collection_modifyitems`), whatever its module says.
+"""
 
 from __future__ import annotations
 
@@ -56,9 +63,46 @@ def smollm2_adapter() -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
-def base_tokenizer(smollm2):
-    """A private copy of the real SmolLM2 tokenizer (49152 tokens + the mask token)."""
-    return copy.deepcopy(smollm2.tokenizer)
+def base_tokenizer():
+    """The real SmolLM2 tokenizer (49152 tokens + the mask token, id 49152), without the model's weights.
+
+    The tokenizer :func:`load_checkpoint` gives ``smollm2-135m``: read from the dequantised copy of the
+    GGUF when one is cached (~3 s), else from the GGUF file itself (~8 s); the mask token added as
+    :func:`model.engine.loading.add_mask_token` adds it, the pad token set to EOS as ``_finish`` does
+    (checked against ``load_checkpoint("smollm2-135m", adapter=False).tokenizer``: same length, ids,
+    special tokens and chat template). Read-only: tests that change it take a ``copy.deepcopy``."""
+    from transformers import AutoTokenizer
+
+    from model.engine.loading import DEFAULT_MASK_TOKEN, _gguf_cache_dir, find_mask_token, smollm2_gguf_path
+
+    try:
+        path = smollm2_gguf_path()
+    except Exception as e:  # package missing: the tests over its tokenizer cannot run
+        pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
+    cache = _gguf_cache_dir(path)
+    if cache is not None and (cache / "config.json").is_file():
+        tok = AutoTokenizer.from_pretrained(str(cache))
+    else:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if find_mask_token(tok, DEFAULT_MASK_TOKEN) is None:
+        tok.add_tokens([DEFAULT_MASK_TOKEN], special_tokens=True)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+# ----------------------------------------------------------------------------- markers
+REAL_MODEL_FIXTURES = frozenset({"smollm2", "smollm2_adapter"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects anything
+def pytest_collection_modifyitems(config, items):
+    """Mark ``integration`` every test whose fixture closure loads the real SmolLM2 (directly or through
+    another fixture), so that a forgotten marker never lets a real-model test pass for a pure one."""
+    for item in items:
+        if REAL_MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())) and not item.get_closest_marker(
+                "integration"):
+            item.add_marker(pytest.mark.integration)
 
 
 def make_tiny(tokenizer, arch: str = "llama", dtype=torch.float32, seed: int = 0, layers: int = 2,
@@ -145,3 +189,4 @@ def mtp_run(lm, examples, out, *, seed=0, steps=40, mixed_precision="no", adapte
                       weight_decay=0.0, save_every=1000, seed=seed, mixed_precision=mixed_precision)
     train(cfg, lm=copy.deepcopy(lm), examples=examples)
     return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
