@@ -17,7 +17,8 @@ A forward pass feeds, at ordinary consecutive positions with plain causal attent
    last real token, mask proposals...]`` (:meth:`Strategy.accept`), cut where a proposal cannot
    continue an open UTF-8 character (:func:`cut_broken_utf8`); verification keeps the drafts equal
    to the model's greedy choice, then the model's own next token (:func:`accept_drafts`);
-3. **trim** (:func:`trim`): up to and including the first stop token, never past ``max_new_tokens``;
+3. **trim** (:func:`trim`, :func:`cut_at_stop_string`): up to and including the first stop token (or
+   the token that completes a stop string), never past ``max_new_tokens``;
 4. **commit** (:func:`commit`): crop the KV cache back to the real tokens that stay valid (never a
    mask, never a rejected draft); the decoder then records the pass in a :class:`PassRecord`.
 
@@ -61,7 +62,7 @@ class PassRecord:
         stopped: True if this pass emitted a stop token.
         block_end: why the block ended: ``"k_max"`` (every proposal kept), ``"below tau"``,
             ``"utf-8"`` (the next proposal could not continue an open character), ``"draft
-            rejected"``, ``"stop token"`` or ``"max_new_tokens"``.
+            rejected"``, ``"stop token"``, ``"stop string"`` or ``"max_new_tokens"``.
         drafts: the draft ids fed (verification), in order.
         draft_texts: each draft decoded on its own.
         draft_checks: the model's greedy token at each draft's place (``len(drafts)`` ids).
@@ -69,6 +70,12 @@ class PassRecord:
         drafts_accepted: leading drafts equal to ``draft_checks``.
         correction: the model's token in place of the first rejected draft (None if none rejected).
         correction_text: that token decoded on its own ("" when none).
+        mask_blocks: verification: the numbers of accepted drafts that a block of ``k_max - 1`` masks
+            followed in this pass (``[len(drafts)]`` for the linear layout).
+        block_proposals, block_texts, block_confidences: the proposals of each mask block (in the
+            order of ``mask_blocks``), their texts and confidences.
+        next_drafts: the drafts the next pass feeds: the proposals of the block that followed the accepted
+            prefix, or none (no such block, or the answer ended).
     """
 
     index: int
@@ -91,6 +98,22 @@ class PassRecord:
     drafts_accepted: int = 0
     correction: int | None = None
     correction_text: str = ""
+    mask_blocks: list[int] = field(default_factory=list)
+    block_proposals: list[list[int]] = field(default_factory=list)
+    block_texts: list[list[str]] = field(default_factory=list)
+    block_confidences: list[list[float]] = field(default_factory=list)
+    next_drafts: list[int] = field(default_factory=list)
+
+    @property
+    def counted_drafts(self) -> tuple[int, int]:
+        """``(proposed, accepted)`` drafts of this pass that count in acceptance metrics: none after a stop
+        token or ``max_new_tokens`` (a draft past the end of the answer was never needed)."""
+        if not self.fed_drafts:
+            return 0, 0
+        accepted = min(self.drafts_accepted, len(self.kept))
+        ended = self.stopped or self.block_end == "max_new_tokens"
+        proposed = min(self.fed_drafts, len(self.kept)) if ended else self.fed_drafts
+        return proposed, min(accepted, proposed)
 
     @property
     def fed_tokens(self) -> int:
@@ -136,6 +159,33 @@ class GenerationResult:
         return self.new_tokens / self.forward_passes if self.passes else 0.0
 
     @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per forward pass, the model's own token included (vLLM / llama.cpp's "mean acceptance
+        length"; the paper's effective k)."""
+        return self.effective_k
+
+    @property
+    def drafts_proposed(self) -> int:
+        """Drafts fed for checking (verification), none counted past the end of the answer."""
+        return sum(p.counted_drafts[0] for p in self.passes)
+
+    @property
+    def drafts_accepted(self) -> int:
+        """Drafts accepted (verification), none counted past the end of the answer."""
+        return sum(p.counted_drafts[1] for p in self.passes)
+
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        """Accepted / proposed drafts (None without drafts)."""
+        return self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else None
+
+    @property
+    def acceptance_by_position(self) -> list[float | None]:
+        """Per draft position j = 1, 2, ...: the share of passes that fed a draft at j in which it was
+        accepted (vLLM's per-position acceptance rate; a draft after a rejected one counts as rejected)."""
+        return acceptance_by_position(self.passes)
+
+    @property
     def seconds(self) -> float:
         """Sum of the passes' own seconds."""
         return sum(p.seconds for p in self.passes)
@@ -149,9 +199,28 @@ class GenerationResult:
         """The CLI's ``--json`` object (strict JSON: no NaN)."""
         return {
             "strategy": self.strategy, "text": self.text, "new_tokens": self.new_tokens,
-            "forward_passes": self.forward_passes, "effective_k": self.effective_k, "seconds": self.seconds,
+            "forward_passes": self.forward_passes, "effective_k": self.effective_k,
+            "mean_acceptance_length": self.mean_acceptance_length, "drafts_proposed": self.drafts_proposed,
+            "drafts_accepted": self.drafts_accepted, "draft_acceptance_rate": self.draft_acceptance_rate,
+            "acceptance_by_position": self.acceptance_by_position, "seconds": self.seconds,
             "tokens_per_second": self.tokens_per_second, "passes": [p.to_dict() for p in self.passes],
         }
+
+
+def acceptance_by_position(passes: Sequence[PassRecord]) -> list[float | None]:
+    """Per draft position j = 1, 2, ...: accepted / proposed over ``passes`` (:attr:`PassRecord.counted_drafts`:
+    nothing past the end of an answer), None where no draft was proposed."""
+    proposed: list[int] = []
+    accepted: list[int] = []
+    for p in passes:
+        n, a = p.counted_drafts
+        while len(proposed) < n:
+            proposed.append(0)
+            accepted.append(0)
+        for j in range(n):
+            proposed[j] += 1
+            accepted[j] += int(j < a)
+    return [a / n if n else None for a, n in zip(accepted, proposed)]
 
 
 # --------------------------------------------------------------------------- phases
@@ -227,6 +296,63 @@ def cut_broken_utf8(lm: LoadedModel, generated: Sequence[int], block: Sequence[i
 
 
 @dataclass
+class PassLayout:
+    """The tokens one forward pass feeds and where they sit.
+
+    ``tokens`` = ``pending`` real tokens, ``drafts`` draft tokens, then one block of ``masks_per_block``
+    mask tokens for each prefix in ``blocks`` (the number of accepted drafts the block follows; block
+    strategies: one block after the pending tokens). The linear layout is plain causal attention at
+    consecutive positions (``positions`` and ``visible`` None). A tree layout (verification with blocks
+    after several prefixes) puts block ``a``'s ``j``-th mask at the position after the ``a``-th draft plus
+    ``j``, and lets it see the pending tokens, the first ``a`` drafts and its own earlier masks only.
+
+    Attributes:
+        positions: per fed token, its position offset from the first fed token (None: 0, 1, 2, ...).
+        visible: ``[T, T]`` bool, which fed tokens each fed token attends to (None: causal); every
+            token also sees the whole KV cache.
+    """
+
+    tokens: list[int]
+    pending: int
+    drafts: int
+    blocks: tuple[int, ...]
+    masks_per_block: int
+    positions: list[int] | None = None
+    visible: torch.Tensor | None = None
+
+    @property
+    def num_masks(self) -> int:
+        """Mask tokens fed (all of them trailing)."""
+        return len(self.blocks) * self.masks_per_block
+
+    @property
+    def logits_to_keep(self) -> int:
+        """Positions whose logits the pass needs: the last pending token, each draft, each mask."""
+        return 1 + self.drafts + self.num_masks
+
+
+def lay_out(pending: Sequence[int], drafts: Sequence[int], strategy: Strategy, mask_token_id: int) -> PassLayout:
+    """The layout of the next forward pass (:class:`PassLayout`)."""
+    p, d, m = len(pending), len(drafts), strategy.num_masks
+    blocks = strategy.mask_blocks(d) if strategy.verifies else (0,)  # type: ignore[attr-defined]
+    if m == 0:
+        blocks = ()
+    tokens = list(pending) + list(drafts) + [mask_token_id] * (m * len(blocks))
+    if blocks in ((), (d,)):  # masks right after the last real token: plain causal attention
+        return PassLayout(tokens, p, d, blocks, m)
+    t = len(tokens)
+    positions = list(range(p + d))
+    visible = torch.zeros(t, t, dtype=torch.bool)
+    visible[: p + d, : p + d] = torch.ones(p + d, p + d, dtype=torch.bool).tril_()
+    for i, a in enumerate(blocks):
+        start = p + d + i * m
+        positions += [p + a + j for j in range(m)]
+        visible[start : start + m, : p + a] = True
+        visible[start : start + m, start : start + m] = torch.ones(m, m, dtype=torch.bool).tril_()
+    return PassLayout(tokens, p, d, blocks, m, positions, visible)
+
+
+@dataclass
 class Acceptance:
     """What the accept phase decided for one pass.
 
@@ -245,27 +371,32 @@ class Acceptance:
     next_drafts: list[int] = field(default_factory=list)
 
 
-def accept(lm: LoadedModel, strategy: Strategy, generated: Sequence[int], drafts: Sequence[int],
-           checks: Sequence[int], block: Sequence[int], block_conf: Sequence[float]) -> Acceptance:
+def accept(lm: LoadedModel, strategy: Strategy, generated: Sequence[int], layout: PassLayout, greedy: Sequence[int],
+           conf: Sequence[float], drafts: Sequence[int]) -> Acceptance:
     """The accept phase: which of a pass's proposals become output.
 
     Args:
         generated: tokens emitted before this pass.
-        drafts: the drafts this pass fed (verification); ``checks``: the model's greedy token at each.
-        block: ``k_max`` proposals (at the last real token, then one per mask); ``block_conf``: their
-            confidences.
+        layout: the pass's :class:`PassLayout`; ``drafts``: the drafts it fed.
+        greedy, conf: greedy ids and confidences at the last pending token, each draft and each mask
+            (``layout.logits_to_keep`` of each).
     """
+    d, m = layout.drafts, layout.masks_per_block
     if strategy.verifies:
-        a = accept_drafts(drafts, checks)
-        kept = list(drafts[:a]) + [(list(checks) + list(block))[a]]
-        rejected = a < len(drafts)
-        return Acceptance(kept, "draft rejected" if rejected else "k_max", a, checks[a] if rejected else None,
-                          [] if rejected else list(block[1:]))
-    n, reason = strategy.accept(block_conf)
-    cut = cut_broken_utf8(lm, generated, block, n)
+        own = greedy[: d + 1]  # the model's token after 0, 1, ..., d accepted drafts
+        a = accept_drafts(drafts, own[:d])
+        nxt: list[int] = []
+        if a in layout.blocks:
+            i = layout.blocks.index(a)
+            nxt = list(greedy[d + 1 + i * m : d + 1 + (i + 1) * m])
+        rejected = a < d
+        return Acceptance(list(drafts[:a]) + [own[a]], "draft rejected" if rejected else "k_max", a,
+                          own[a] if rejected else None, nxt)
+    n, reason = strategy.accept(conf)
+    cut = cut_broken_utf8(lm, generated, greedy, n)
     if cut < n:
         n, reason = cut, "utf-8"
-    return Acceptance(list(block[:n]), reason)
+    return Acceptance(list(greedy[:n]), reason)
 
 
 def trim(kept: Sequence[int], reason: str, room: int, stop_ids: set[int]) -> tuple[list[int], str, bool]:
@@ -278,6 +409,21 @@ def trim(kept: Sequence[int], reason: str, room: int, stop_ids: set[int]) -> tup
         if t in stop_ids:
             return kept[: i + 1], "stop token", True
     return kept, reason, False
+
+
+def cut_at_stop_string(lm: LoadedModel, generated: Sequence[int], kept: Sequence[int]) -> int | None:
+    """Part of the trim phase: the number of ``kept`` tokens up to and including the one that completes
+    one of :attr:`LoadedModel.stop_strings` in the answer text (None when none does; the text before
+    this pass never holds one, or decoding would have stopped)."""
+    if not lm.stop_strings or not kept:
+        return None
+    decode = lm.tokenizer.decode
+    if not any(t in decode(list(generated) + list(kept)) for t in lm.stop_strings):
+        return None
+    for i in range(1, len(kept) + 1):
+        if any(t in decode(list(generated) + list(kept[:i])) for t in lm.stop_strings):
+            return i
+    return None
 
 
 def commit(cache: Any, fed: int, pending: int, kept: Sequence[int], verifies: bool) -> list[int]:
@@ -356,39 +502,58 @@ class Decoder:
         if self.done:
             raise StopIteration
         lm, s, drafts = self.lm, self.strategy, self.drafts
-        fed = self.pending + drafts + [lm.mask_token_id] * s.num_masks
+        layout = lay_out(self.pending, drafts, s, lm.mask_token_id)
         _sync(lm.device)
         t0 = time.perf_counter()
-        ids = torch.tensor([fed], dtype=torch.long, device=lm.device)
-        logits = lm.forward(ids, self.cache, num_masks=s.num_masks, logits_to_keep=len(drafts) + s.k_max)[0]
+        ids = torch.tensor([layout.tokens], dtype=torch.long, device=lm.device)
+        logits = lm.forward(ids, self.cache, num_masks=layout.num_masks, logits_to_keep=layout.logits_to_keep,
+                            positions=layout.positions, visible=layout.visible)[0]
         try:
             greedy, conf = propose(logits, lm.mask_token_id)
         except NonFiniteLogitsError:
             self.done = True
             raise
-        checks, block, block_conf = greedy[: len(drafts)], greedy[len(drafts):], conf[len(drafts):]
-        acc = accept(lm, s, self.generated, drafts, checks, block, block_conf)
+        acc = accept(lm, s, self.generated, layout, greedy, conf, drafts)
         kept, reason, stopped = trim(acc.kept, acc.reason, self.max_new_tokens - len(self.generated), self._stop)
-        in_cache = commit(self.cache, len(fed), len(self.pending), kept, s.verifies)
+        cut = cut_at_stop_string(lm, self.generated, kept)
+        if cut is not None:
+            kept, reason, stopped = kept[:cut], "stop string", True
+        in_cache = commit(self.cache, len(layout.tokens), len(self.pending), kept, s.verifies)
         _sync(lm.device)
         seconds = time.perf_counter() - t0
 
         self.cached_ids.extend(self.pending + in_cache)
         self.generated.extend(kept)
         self.pending = kept[-1:] if s.verifies else kept
-        self.drafts = acc.next_drafts
         self.done = stopped or len(self.generated) >= self.max_new_tokens
-        decode = lm.tokenizer.decode
-        rec = PassRecord(
-            index=len(self.passes), fed_real=len(fed) - len(drafts) - s.num_masks, fed_masks=s.num_masks,
-            proposals=block, proposal_texts=[decode([t]) for t in block], confidences=block_conf, kept=kept,
-            text=self._text_delta(), accepted=len(acc.kept), seconds=seconds, stopped=stopped, block_end=reason,
-            fed_drafts=len(drafts), drafts=list(drafts), draft_texts=[decode([t]) for t in drafts],
-            draft_checks=checks, draft_confidences=conf[: len(drafts)], drafts_accepted=acc.drafts_accepted,
-            correction=acc.correction, correction_text=decode([acc.correction]) if acc.correction is not None else "",
-        )
+        self.drafts = [] if self.done else acc.next_drafts
+        rec = self._record(layout, drafts, greedy, conf, acc, kept, reason, stopped, seconds)
         self.passes.append(rec)
         return rec
+
+    def _record(self, layout: PassLayout, drafts: Sequence[int], greedy: Sequence[int], conf: Sequence[float],
+                acc: Acceptance, kept: list[int], reason: str, stopped: bool, seconds: float) -> PassRecord:
+        """The pass's :class:`PassRecord`. ``proposals`` are the model's token after the last fed draft and
+        the proposals of the block that follows it (the whole block for block strategies)."""
+        decode = self.lm.tokenizer.decode
+        d, m = layout.drafts, layout.masks_per_block
+        blocks = [list(greedy[d + 1 + i * m : d + 1 + (i + 1) * m]) for i in range(len(layout.blocks))]
+        block_conf = [list(conf[d + 1 + i * m : d + 1 + (i + 1) * m]) for i in range(len(layout.blocks))]
+        last = layout.blocks.index(d) if d in layout.blocks else None
+        proposals = [greedy[d]] + (blocks[last] if last is not None else [])
+        confidences = [conf[d]] + (block_conf[last] if last is not None else [])
+        return PassRecord(
+            index=len(self.passes), fed_real=layout.pending, fed_masks=layout.num_masks, proposals=proposals,
+            proposal_texts=[decode([t]) for t in proposals], confidences=confidences, kept=kept,
+            text=self._text_delta(), accepted=len(acc.kept), seconds=seconds, stopped=stopped, block_end=reason,
+            fed_drafts=d, drafts=list(drafts), draft_texts=[decode([t]) for t in drafts], draft_checks=list(greedy[:d]),
+            draft_confidences=list(conf[:d]), drafts_accepted=acc.drafts_accepted, correction=acc.correction,
+            correction_text=decode([acc.correction]) if acc.correction is not None else "",
+            mask_blocks=list(layout.blocks) if self.strategy.verifies else [],
+            block_proposals=blocks if self.strategy.verifies else [],
+            block_texts=[[decode([t]) for t in b] for b in blocks] if self.strategy.verifies else [],
+            block_confidences=block_conf if self.strategy.verifies else [], next_drafts=list(self.drafts),
+        )
 
     def _text_delta(self) -> str:
         """The text added since the last pass; an incomplete last character is held back (and dropped

@@ -15,7 +15,7 @@ runs without autograd.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -68,14 +68,18 @@ class FastForward:
         return ", ".join(parts)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, input_ids: torch.Tensor, cache: KVCache, adapter_rows: int, logits_to_keep: int) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, adapter_rows: int, logits_to_keep: int,
+                positions: Sequence[int] | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
         """One pass over ``input_ids`` appended to ``cache``.
 
         Args:
             input_ids: ``[1, T]`` token ids.
-            cache: a :class:`KVCache` from :meth:`new_cache`; extended by ``T`` entries.
+            cache: a :class:`KVCache` from :meth:`new_cache`; extended by ``T`` entries (in input order,
+                whatever their positions).
             adapter_rows: how many trailing rows get the adapter's delta (0: the base model).
             logits_to_keep: trailing positions to return logits for (0: all).
+            positions: each input's position offset after the cache (None: ``0 .. T-1``).
+            visible: ``[T, T]`` bool, which inputs each input attends to besides the cache (None: causal).
 
         Returns:
             ``[1, logits_to_keep, V]`` logits in the model's dtype.
@@ -87,10 +91,16 @@ class FastForward:
         cache.reserve(end)
         rows = min(adapter_rows, t) if self.has_adapter else 0
         x = F.embedding(ids, w.adapter_embed if rows and w.adapter_embed is not None else w.embed)
-        position_ids = torch.arange(pos, end, device=self.device)[None]
+        if positions is None:
+            position_ids = torch.arange(pos, end, device=self.device)[None]
+        else:
+            position_ids = (torch.tensor(list(positions)) + pos).to(self.device)[None]
         cos, sin = w.rotary(x, position_ids)  # [1, T, hd] each, in x's dtype (transformers' own module)
         rope = (cos[0][:, None], sin[0][:, None])  # [T, 1, hd]: broadcast over heads
         mask, causal, repeat_kv = self._attention_mask(t, pos, end)
+        if visible is not None:  # a tree of mask blocks: each input sees the cache and what `visible` says
+            mask = torch.cat([torch.ones(t, pos, dtype=torch.bool), visible.to(torch.bool).cpu()], 1).to(self.device)
+            causal, repeat_kv = False, self.weights.groups > 1 and self.device.type != "cpu"
         for i, layer in enumerate(w.layers):
             h = rms_norm(x, layer.ln1, w.eps)
             q, k, v = self._qkv(layer, h, rows, rope)

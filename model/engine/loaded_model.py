@@ -56,6 +56,19 @@ class _FastState:
         return self.engine
 
 
+def _tree_inputs(t: int, cached: int, positions: Sequence[int] | None, visible: torch.Tensor | None,
+                 dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """transformers' inputs for a pass laid out as a tree: ``position_ids`` ``[1, T]`` and a float 4D
+    ``attention_mask`` ``[1, 1, T, cached + T]`` (0 where attended, the dtype's minimum elsewhere; every
+    input sees the whole cache)."""
+    pos = torch.arange(t) if positions is None else torch.tensor(list(positions))
+    see = torch.ones(t, t, dtype=torch.bool).tril_() if visible is None else visible.to(torch.bool).cpu()
+    see = torch.cat([torch.ones(t, cached, dtype=torch.bool), see], dim=1)
+    mask = torch.zeros(1, 1, t, cached + t, dtype=dtype)
+    mask.masked_fill_(~see[None, None], torch.finfo(dtype).min)
+    return {"position_ids": (pos + cached)[None].to(device), "attention_mask": mask.to(device)}
+
+
 def _is_peft(model: Any) -> bool:
     from peft import PeftModel
 
@@ -93,6 +106,9 @@ class LoadedModel:
             metadata), a sensible default k_max for decoding; None when unknown.
         fast: run decoding passes through :mod:`model.engine.fast_forward` when it supports the model
             (default); False: always the library path (transformers, with peft for adapters).
+        stop_strings: text that ends an answer (the output keeps it, as transformers' ``stop_strings``).
+        context_limit: positions a generation may use at most, below ``max_position_embeddings``
+            (a sliding-window model's window; :mod:`model.engine.guards`); None: no such limit.
     """
 
     model: Any
@@ -107,6 +123,8 @@ class LoadedModel:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     trained_k_max: int | None = None
     fast: bool = True
+    stop_strings: tuple[str, ...] = ()
+    context_limit: int | None = None
     _token_bytes: Any = field(default=None, repr=False, compare=False)
     # Shared by dataclasses.replace() copies of this object (same model, same inference structures).
     _fast: "_FastState" = field(default_factory=lambda: _FastState(), repr=False, compare=False)
@@ -126,9 +144,13 @@ class LoadedModel:
 
     @property
     def max_positions(self) -> int | None:
-        """The model's ``max_position_embeddings`` (positions a sequence may use), None if unknown."""
+        """Positions a sequence may use: the model's ``max_position_embeddings``, within
+        :attr:`context_limit`; None if unknown."""
         n = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
-        return n if isinstance(n, int) and n > 0 else None
+        n = n if isinstance(n, int) and n > 0 else None
+        if self.context_limit is not None:
+            n = self.context_limit if n is None else min(n, self.context_limit)
+        return n
 
     @property
     def dtype(self) -> torch.dtype:
@@ -241,6 +263,8 @@ class LoadedModel:
         past_key_values: Any,
         num_masks: int,
         logits_to_keep: int,
+        positions: Sequence[int] | None = None,
+        visible: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One forward pass over ``input_ids`` appended to the KV cache.
 
@@ -249,7 +273,7 @@ class LoadedModel:
         :meth:`new_cache` decides the implementation: the fast path (:mod:`model.engine.fast_forward`) for
         its ``KVCache``, the library path (transformers + peft) for a transformers ``Cache``. Both
         give the same logits (bit for bit on the base weights; within bf16/fp32 rounding on adapter
-        rows, see tests/test_fast_forward.py). The fast path runs without autograd.
+        rows, see the fast path's tests). The fast path runs without autograd.
 
         Args:
             input_ids: ``[1, T]`` long tensor: the real tokens not yet cached, then
@@ -257,22 +281,29 @@ class LoadedModel:
             past_key_values: a cache from :meth:`new_cache`; extended in place by ``T`` entries.
             num_masks: how many trailing inputs are mask tokens (for activated adapters).
             logits_to_keep: how many trailing positions need logits.
+            positions: each input's position offset after the cached entries (None: ``0 .. T-1``);
+                a tree of mask blocks puts several inputs at one position
+                (:class:`~model.engine.decoding.PassLayout`).
+            visible: ``[T, T]`` bool, which inputs each input attends to besides the cache (None: causal).
 
         Returns:
             ``[1, logits_to_keep, V]`` logits (model dtype).
         """
         from .kv_cache import KVCache
 
+        rows = self._adapter_rows(input_ids.shape[1], num_masks)
         if isinstance(past_key_values, KVCache):
             engine = past_key_values.engine
             if engine is None or engine.source is not self.model:
                 raise RuntimeError("This KV cache was made for another model; start a new generation "
                                    "(lm.new_cache()).")
             with torch.no_grad():
-                return engine.forward(input_ids, past_key_values, self._adapter_rows(input_ids.shape[1], num_masks),
-                                      logits_to_keep)
-        rows = self._adapter_rows(input_ids.shape[1], num_masks)
+                return engine.forward(input_ids, past_key_values, rows, logits_to_keep, positions=positions,
+                                      visible=visible)
         kwargs: dict[str, Any] = {}
+        if positions is not None or visible is not None:
+            kwargs.update(_tree_inputs(input_ids.shape[1], past_key_values.get_seq_length(), positions, visible,
+                                       self.dtype, input_ids.device))
         ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
         if _is_peft(self.model):
             if rows == 0:  # the base weights: peft's adapter off for this pass (unless base_model() did it)

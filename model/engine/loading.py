@@ -33,6 +33,8 @@ from ..errors import CheckpointError
 from .adapter_format import DEFAULT_MASK_TOKEN, MTPMeta, is_mtp_dir, load_mask_rows, read_meta
 from .loaded_model import PROMPT_FORMATS, LoadedModel
 from .precision import native_bf16
+from .guards import check_architecture, check_memory, weights_bytes
+from .presets import find_preset, preset_by_name
 
 log = logging.getLogger(__name__)
 
@@ -324,7 +326,46 @@ def trained_k_max(source: str, adapter: str | Path | bool | None = True) -> int 
             return read_meta(src.where).k_max
     except CheckpointError:
         return None
-    return None
+    preset = preset_by_name(source)
+    return preset.k_max if preset is not None else None
+
+
+def _base_location(src: Source) -> tuple[str, str]:
+    """``(kind, where)`` of the weights a source loads: an adapter directory's base, the embedded GGUF."""
+    if src.kind == "default":
+        return "gguf", str(smollm2_gguf_path())
+    if src.kind == "mtp_dir":
+        meta = read_meta(src.where)
+        if not meta.is_adapter:
+            return "hf_dir", src.where
+        if meta.base == DEFAULT_SOURCE:
+            return "gguf", str(smollm2_gguf_path())
+        base = resolve_source(meta.base)
+        return base.kind, base.where
+    return src.kind, src.where
+
+
+def preflight(src: Source, device: torch.device, dtype: torch.dtype, quantization: str | None) -> None:
+    """The checks before loading (:mod:`model.engine.guards`): an architecture the engine can decode
+    (from the config alone where one can be read without the weights) and weights that fit in memory.
+
+    Raises:
+        CheckpointError: a recurrent / hybrid architecture, or weights larger than the free memory.
+    """
+    kind, where = _base_location(src)
+    if kind in ("hf_dir", "hub"):
+        from transformers import AutoConfig
+
+        config = None
+        try:
+            config = AutoConfig.from_pretrained(where)
+        except (OSError, ValueError, KeyError) as e:  # unreadable / unknown config: the loader says why
+            log.info("config of %s not checked before loading: %s", where, e)
+        if config is not None:
+            check_architecture(config)
+    preset = preset_by_name(where)
+    need = weights_bytes(kind, where, dtype, quantization, preset.weight_bytes if preset else 0)
+    check_memory(src.name, need, device)
 
 
 def load_checkpoint(
@@ -365,6 +406,7 @@ def load_checkpoint(
     dt = resolve_dtype(dtype, dev)
     if prompt_format is not None and prompt_format not in PROMPT_FORMATS:
         raise CheckpointError(f"Unknown prompt format {prompt_format!r}: use one of {PROMPT_FORMATS}.")
+    preflight(src, dev, dt, quantization)  # before any weight is read or downloaded
     opts = dict(device=dev, dtype=dt, quantization=quantization)
     mtp_dir: Path | None = None  # a directory written by adapter_format.save_mtp_checkpoint
     if src.kind == "default":
@@ -422,10 +464,18 @@ def _finish(
     prompt_format: str | None, mtp_dir: Path | None,
 ) -> LoadedModel:
     notes: list[str] = []
+    context_limit = check_architecture(model.config)  # after the load too: a GGUF's config comes with it
+    if context_limit is not None and context_limit < (getattr(model.config, "max_position_embeddings", None) or 1 << 62):
+        notes.append(f"This model has sliding-window attention: generations are kept within its window "
+                     f"({context_limit} positions), where its KV cache can be cropped exactly.")
     meta: MTPMeta | None = read_meta(mtp_dir) if mtp_dir is not None else None
+    preset = find_preset(source, model.config, tokenizer) if meta is None else None
     if meta is not None:
         mask_token = meta.mask_token
         prompt_format = prompt_format or meta.prompt_format
+    elif preset is not None:
+        mask_token = preset.mask_token
+        prompt_format = prompt_format or preset.prompt_format
     mask_id = find_mask_token(tokenizer, mask_token)
     mtp_trained = mask_id is not None
     if mask_id is None:
@@ -447,11 +497,19 @@ def _finish(
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.eval()
+    stops = stop_token_ids(tokenizer, model)
+    if preset is not None:
+        named = [tokenizer.convert_tokens_to_ids(t) for t in preset.stop_tokens]
+        stops = tuple(dict.fromkeys([*(i for i in named if i is not None and i >= 0), *stops]))
+        notes.append(f"{preset.name}: mask token {preset.mask_token} (id {mask_id}), stop tokens "
+                     f"{', '.join(preset.stop_tokens)}, prompt format {prompt_format} (the authors' settings).")
     for n in notes:
         log.info(n)  # callers show lm.warnings themselves (CLI note, app banner)
     return LoadedModel(
-        model=model, tokenizer=tokenizer, mask_token_id=mask_id, stop_token_ids=stop_token_ids(tokenizer, model),
+        model=model, tokenizer=tokenizer, mask_token_id=mask_id, stop_token_ids=stops,
         prompt_format=prompt_format, source=source, mtp_trained=mtp_trained,
         adapter=meta.adapter if meta is not None and meta.is_adapter else None,
-        warnings=notes, device=device, trained_k_max=meta.k_max if meta is not None else None,
+        warnings=notes, device=device,
+        trained_k_max=meta.k_max if meta is not None else (preset.k_max if preset is not None else None),
+        stop_strings=preset.stop_strings if preset is not None else (), context_limit=context_limit,
     )

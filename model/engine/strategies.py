@@ -12,8 +12,9 @@ spec           class                        a forward pass keeps
 ``confadapt:   :class:`ConfAdapt`           the longest leading run of proposals whose confidence
 TAU[:K_MAX]``                               is ≥ tau, always at least the first
 ``verify       :class:`Verify`              the drafts fed from the previous pass that equal the
-[:K_MAX]``                                  model's own greedy choice, plus its next token
-                                            (lossless: output == standard decoding)
+[:K_MAX                                     model's own greedy choice, plus its next token
+[:LAYOUT]]``                                (lossless: output == standard decoding); LAYOUT says
+                                            which draft prefixes a block of masks follows
 =============  ===========================  =======================================================
 """
 
@@ -200,26 +201,80 @@ class ConfAdapt(Strategy):
 class Verify(Strategy):
     """Lossless self-speculative decoding: the mask proposals of one pass are fed as real tokens
     (drafts) in the next and kept while they equal the model's own greedy choice, plus the model's
-    next token (see :mod:`model.engine.decoding`). Output == standard decoding of the same model."""
+    next token (see :mod:`model.engine.decoding`). Output == standard decoding of the same model.
+
+    ``blocks`` says where a pass that feeds drafts puts its blocks of ``k_max - 1`` mask tokens: after
+    the pending token and the first ``a`` drafts, for each ``a`` in ``blocks``. Whichever prefix of the
+    drafts the pass accepts, if a block followed that prefix, its proposals are the next pass's drafts;
+    otherwise the next pass has none. ``None`` (the linear layout) is one block after all drafts;
+    :data:`FULL` is a block after every prefix ("quadratic" decoding, arXiv 2507.11851).
+    """
 
     name: ClassVar[str] = "verify"
     verifies: ClassVar[bool] = True
     k_max: int = DEFAULT_K_MAX
+    blocks: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.blocks is not None:
+            if not self.blocks or any(not 0 <= a < self.k_max for a in self.blocks):
+                raise ValueError(f"Mask blocks sit after 0 to {self.k_max - 1} drafts (k_max - 1), got "
+                                 f"{'/'.join(map(str, self.blocks)) or 'none'}.")
+            object.__setattr__(self, "blocks", tuple(sorted(set(self.blocks))))
+            if self.blocks == (self.k_max - 1,):
+                object.__setattr__(self, "blocks", None)  # the linear layout, one spelling
+
+    def mask_blocks(self, drafts: int) -> tuple[int, ...]:
+        """The prefixes (numbers of accepted drafts) followed by a mask block in a pass that feeds
+        ``drafts`` drafts: ``(0,)`` without drafts (the masks follow the pending token)."""
+        if drafts == 0:
+            return (0,)
+        if self.blocks is None:
+            return (drafts,)
+        return tuple(a for a in self.blocks if a <= drafts)
 
     def accept(self, confidences: Sequence[float]) -> tuple[int, str]:  # noqa: D102
         return 1, "k_max"  # the block of a verify pass is decided by the drafts, not by confidence
 
     @property
+    def layout(self) -> str:
+        """``linear``, ``full`` or the prefixes followed by a block, e.g. ``0/1/3``."""
+        if self.blocks is None:
+            return "linear"
+        if self.blocks == tuple(range(self.k_max)):
+            return "full"
+        return "/".join(map(str, self.blocks))
+
+    @property
     def label(self) -> str:  # noqa: D102
-        return f"lossless verify k_max={self.k_max}"
+        tail = "" if self.blocks is None else (", full tree" if self.layout == "full" else
+                                               f", mask blocks after {self.layout} drafts")
+        return f"lossless verify k_max={self.k_max}{tail}"
 
     @property
     def spec(self) -> str:  # noqa: D102
-        return f"verify:{self.k_max}"
+        return f"verify:{self.k_max}" if self.blocks is None else f"verify:{self.k_max}:{self.layout}"
+
+
+def verify_layout(k_max: int, layout: Any) -> tuple[int, ...] | None:
+    """``Verify.blocks`` from a layout name: ``linear`` (None), ``full``, or prefixes such as ``0/1/3``.
+
+    Raises:
+        ValueError: a malformed layout.
+    """
+    text = str(layout or "linear").strip().lower()
+    if text == "linear":
+        return None
+    if text == "full":
+        return tuple(range(k_max))
+    try:
+        return tuple(int(x) for x in text.split("/") if x.strip())
+    except ValueError:
+        raise ValueError(f"A verify layout is linear, full or prefixes such as 0/1/3, got {layout!r}.") from None
 
 
 STRATEGY_NAMES = ("standard", "static", "confadapt", "verify")
-SPEC_HELP = "standard, static:K, confadapt:TAU[:K_MAX] or verify[:K_MAX]"
+SPEC_HELP = "standard, static:K, confadapt:TAU[:K_MAX] or verify[:K_MAX[:LAYOUT]] (LAYOUT: linear, full, 0/1/3)"
 
 
 def standard() -> Standard:
@@ -245,13 +300,15 @@ def confadapt(tau: Any = DEFAULT_TAU, k_max: Any = DEFAULT_K_MAX) -> ConfAdapt:
     return ConfAdapt(tau=parse_tau(tau), k_max=check_k_max(k_max))
 
 
-def verify(k_max: Any = DEFAULT_K_MAX) -> Verify:
-    """Lossless verification of mask drafts, ``k_max - 1`` drafts at most per pass.
+def verify(k_max: Any = DEFAULT_K_MAX, layout: Any = "linear") -> Verify:
+    """Lossless verification of mask drafts, ``k_max - 1`` drafts at most per pass, with mask blocks
+    laid out as ``layout`` says (:func:`verify_layout`).
 
     Raises:
-        ValueError: k_max not in 1 .. :data:`MAX_K_MAX`.
+        ValueError: k_max not in 1 .. :data:`MAX_K_MAX`, or a bad layout.
     """
-    return Verify(k_max=check_k_max(k_max))
+    k = check_k_max(k_max)
+    return Verify(k_max=k, blocks=verify_layout(k, layout))
 
 
 def _k_max_in(value: Any, cap: int) -> int:
@@ -264,6 +321,7 @@ def resolve_strategy(
     tau: Any = None,
     k_max: Any = None,
     k: Any = None,
+    layout: Any = None,
     default_k_max: int = DEFAULT_K_MAX,
     cap: int = MAX_K_MAX,
 ) -> Strategy:
@@ -277,6 +335,7 @@ def resolve_strategy(
         k_max: proposals per pass; None: ``default_k_max``. For static k, when given, an upper bound
             that ``k`` must respect.
         k: static k's block size; None: :data:`DEFAULT_STATIC_K`.
+        layout: verify's mask blocks (:func:`verify_layout`); None: linear.
         default_k_max: the model's k_max (:attr:`LoadedModel.default_k_max`, or
             :func:`~model.engine.loading.trained_k_max` before loading), used when no k_max is given;
             at most ``cap``.
@@ -286,7 +345,7 @@ def resolve_strategy(
         ValueError: an unknown name, a malformed spec or an out-of-range parameter, naming it.
     """
     head, *args = str(choice or "").strip().lower().replace(" ", "").split(":")
-    if head not in STRATEGY_NAMES or (head == "standard" and args) or len(args) > (1 if head in ("static", "verify") else 2):
+    if head not in STRATEGY_NAMES or (head == "standard" and args) or len(args) > (1 if head == "static" else 2):
         raise ValueError(f"Unknown strategy {choice!r}: use {SPEC_HELP}.")
     try:
         if head == "standard":
@@ -300,8 +359,8 @@ def resolve_strategy(
             t = parse_tau(args[0] if args else (DEFAULT_TAU if tau is None else tau))
             km = args[1] if len(args) > 1 else (min(default_k_max, cap) if k_max is None else k_max)
             return ConfAdapt(tau=t, k_max=_k_max_in(km, cap))
-        km = args[0] if args else (min(default_k_max, cap) if k_max is None else k_max)
-        return Verify(k_max=_k_max_in(km, cap))
+        km = _k_max_in(args[0] if args else (min(default_k_max, cap) if k_max is None else k_max), cap)
+        return Verify(k_max=km, blocks=verify_layout(km, args[1] if len(args) > 1 else layout))
     except ValueError as e:
         raise ValueError(f"Bad strategy {choice!r}: {e}" if args else str(e)) from None
 
