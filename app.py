@@ -7,6 +7,8 @@ when unset), ``MTP_APP_*`` limits (see ``app/runner.py`` and ``app/ui.py``).
 
 from __future__ import annotations
 
+import spaces  # noqa: F401  first: on a ZeroGPU Space it must come before anything that touches CUDA
+
 import importlib.util
 import logging
 import os

@@ -31,9 +31,12 @@ import logging
 import os
 import random
 import statistics
+import tempfile
 import threading
 import time
+import uuid
 from collections import OrderedDict
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -340,6 +343,44 @@ def prepare_turn(
                 number=number, model_key=key, sides=sides)
 
 
+#: Seconds a ZeroGPU request may hold the GPU at most (a free visitor's daily quota is 5 minutes).
+GPU_SECONDS_MAX = 240
+#: What a GPU turn costs besides its passes: a worker's first use (packing the fast path), rendering.
+GPU_SECONDS_OVERHEAD = 10.0
+#: Seconds of one forward pass on a GPU at batch 1: kernel launches dominate a model of this project's size;
+#: a larger model adds the time to read its weights (~2 TB/s).
+GPU_PASS_SECONDS = 0.03
+GPU_READ_BYTES_PER_SECOND = 2e12
+
+
+def gpu_seconds(message: Any, history: Any, strategy: Any, tau: Any, k_max: Any, k: Any, max_new_tokens: Any,
+                model_key: Any, run_id: Any = None) -> int:
+    """The GPU time a turn asks ZeroGPU for, from the same arguments as the turn (``spaces.GPU``'s
+    ``duration`` callable; it runs in the main process before the GPU is granted, so it only reads).
+
+    Both sides may take up to ``max_new_tokens`` passes (the MTP side fewer); a pass costs
+    :data:`GPU_PASS_SECONDS` plus the model's weights read at :data:`GPU_READ_BYTES_PER_SECOND`, and 1%
+    more per token fed (``2 k_max`` at most: a wider pass costs little more on a GPU at batch 1). A short answer asks for little and so queues
+    first; the result is clamped to [15, :data:`GPU_SECONDS_MAX`] seconds."""
+    try:
+        n = min(max(int(float(max_new_tokens)), 1), APP_MAX_NEW_TOKENS)
+    except (TypeError, ValueError):
+        n = DEFAULT_MAX_NEW_TOKENS
+    size = 0
+    source = (model_key or (DEFAULT_SOURCE,))[0] if isinstance(model_key, (list, tuple)) else DEFAULT_SOURCE
+    from model.engine.presets import preset_by_name
+
+    preset = preset_by_name(str(source))
+    if preset is not None:
+        size = preset.weight_bytes
+    try:
+        width = 2 * min(max(int(float(k_max)), 1), APP_MAX_K_MAX)  # lossless feeds drafts + masks
+    except (TypeError, ValueError):
+        width = 2 * APP_MAX_K_MAX
+    per_pass = (GPU_PASS_SECONDS + size / GPU_READ_BYTES_PER_SECOND) * (1 + 0.01 * width)
+    return int(min(GPU_SECONDS_MAX, max(15.0, GPU_SECONDS_OVERHEAD + 2 * n * per_pass)))
+
+
 @dataclass(frozen=True)
 class SpeedEstimate:
     """The MTP side's speed relative to standard decoding, robust to load.
@@ -556,11 +597,32 @@ def history_after(state: TurnState) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------- one run per session
+#: Where Stop / Clear leave their flag for a run (one file per run). The generation may run in another
+#: process (a ZeroGPU worker is a fork of this one): a file on the same machine reaches it there, which a
+#: flag in this process's memory would not. Fixed at import, so forked workers share it.
+STOP_DIR = Path(tempfile.gettempdir()) / f"mtp-lens-stop-{os.getpid()}"
+
+
+def stop_requested(run_id: str) -> str | None:
+    """``"stopped"`` / ``"cleared"`` once Stop / Clear reached run ``run_id`` (from any process), else None."""
+    try:
+        return (STOP_DIR / run_id).read_text().strip() or "stopped"
+    except OSError:
+        return None
+
+
 class RunTicket:
-    """The right to run one turn in a session; Stop and Clear reach the run through it."""
+    """The right to run one turn in a session; Stop and Clear reach the run through it.
+
+    Attributes:
+        run_id: names the run's stop flag (:func:`stop_requested`), for a generation in another process.
+        session: the page session it belongs to.
+        turn_number: set once the turn is prepared.
+    """
 
     def __init__(self, runs: "SessionRuns", session: str):
         self._runs, self.session = runs, session
+        self.run_id = uuid.uuid4().hex
         self._reason: str | None = None
         self.ended = threading.Event()
         self.turn_number: int | None = None
@@ -570,13 +632,23 @@ class RunTicket:
         return self._reason
 
     def request_stop(self, reason: str = "stopped") -> None:
-        """Ask the run to end before its next pass (Clear wins over Stop)."""
+        """Ask the run to end before its next pass (Clear wins over Stop), in this process and in any
+        other process that polls :func:`stop_requested`."""
         if self._reason != "cleared":
             self._reason = reason
+        try:
+            STOP_DIR.mkdir(parents=True, exist_ok=True)
+            (STOP_DIR / self.run_id).write_text(self._reason or reason)
+        except OSError as e:  # a read-only temp dir: the in-process flag still works
+            log.warning("could not write the stop flag of run %s: %s", self.run_id, e)
 
     def release(self) -> None:
         """End the run (idempotent)."""
         self._runs._release(self)
+        try:
+            (STOP_DIR / self.run_id).unlink(missing_ok=True)
+        except OSError:
+            pass
 
     def __enter__(self) -> "RunTicket":
         return self
@@ -586,21 +658,24 @@ class RunTicket:
 
 
 class SessionRuns:
-    """At most one run per session at a time.
+    """At most one run per session at a time, and each session's conversation as the server saw it end.
 
     :meth:`begin` returns a :class:`RunTicket` or None while the session's previous run is still
     going (the page then refuses the new message with a reason, keeping it in the box). A run asked
-    to stop ends before its next forward pass, so :meth:`begin` waits a moment for it.
+    to stop ends before its next forward pass, so :meth:`begin` waits a moment for it. The
+    conversation after each turn is kept here (:meth:`remember`), so that a message sent right after
+    Stop continues the stopped turn even when the page has not yet received it (:meth:`conversation`).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._runs: dict[str, RunTicket] = {}
+        self._conversations: OrderedDict[str, list[dict]] = OrderedDict()
 
     def begin(self, session: str | None, wait_if_stopping: float = 10.0) -> RunTicket | None:
         """A ticket for a new run in ``session`` (None: no session, never refused), or None if busy."""
         if session is None:
-            return RunTicket(self, f"anonymous-{id(object())}-{time.perf_counter_ns()}")
+            return RunTicket(self, f"anonymous-{uuid.uuid4().hex}")
         deadline = time.monotonic() + wait_if_stopping
         while True:
             with self._lock:
@@ -625,8 +700,35 @@ class SessionRuns:
         ticket.request_stop(reason)
         return True
 
+    def remember(self, session: str | None, history: list[dict]) -> None:
+        """Keep the session's conversation after a turn (or Clear); the oldest sessions go first."""
+        if session is None:
+            return
+        with self._lock:
+            self._conversations[session] = list(history)
+            self._conversations.move_to_end(session)
+            while len(self._conversations) > MAX_SESSIONS_KEPT:
+                self._conversations.popitem(last=False)
+
+    def conversation(self, session: str | None, sent: list[dict]) -> list[dict]:
+        """The conversation a new turn continues: what the page sent, unless the server's record of this
+        session is longer and starts with it (the page had not yet shown the last turn's end)."""
+        with self._lock:
+            known = self._conversations.get(session) if session is not None else None
+        if known is not None and len(known) > len(sent) and _same_messages(known[: len(sent)], sent):
+            return list(known)
+        return sent
+
     def _release(self, ticket: RunTicket) -> None:
         with self._lock:
             if self._runs.get(ticket.session) is ticket:
                 del self._runs[ticket.session]
         ticket.ended.set()
+
+
+#: Conversations the server keeps (one per recent session).
+MAX_SESSIONS_KEPT = 256
+
+
+def _same_messages(a: Sequence[dict], b: Sequence[dict]) -> bool:
+    return [(m["role"], m["content"]) for m in a] == [(m["role"], m["content"]) for m in b]

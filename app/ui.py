@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import gradio as gr
+import spaces  # ZeroGPU's decorator; a no-op anywhere else (app.py imports it before torch)
 
 from model.engine.loading import DEFAULT_SOURCE
 from model.engine.strategies import DEFAULT_K_MAX, DEFAULT_STATIC_K, DEFAULT_TAU
@@ -36,10 +37,13 @@ from .runner import (
     TurnState,
     choice_of,
     exclusive,
+    gpu_seconds,
     history_after,
+    parse_history,
     parse_source,
     prepare_turn,
     run_turn,
+    stop_requested,
 )
 
 log = logging.getLogger(__name__)
@@ -140,10 +144,6 @@ HEAD = """<style>
 @media (max-width: 640px) { .gradio-container .main.app {padding-left: 8px !important; padding-right: 8px !important} }
 </style>"""
 
-try:  # Hugging Face Spaces (ZeroGPU): run generation inside a GPU slot when the package exists.
-    import spaces  # type: ignore[import-not-found]
-except Exception:  # noqa: BLE001 - not on Spaces
-    spaces = None
 
 
 def load_examples(path: Path = EXAMPLES_FILE) -> list[str]:
@@ -291,6 +291,42 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True,
         except RequestError as e:
             default_info = render.status_html(str(e), kind="error")
 
+    def generate_turn(message, history, strategy, tau, k_max, k, max_new_tokens, model_key, run_id
+                      ) -> Iterator[tuple]:
+        """The turn itself: prepare, run both sides, render. Yields ``(outputs, final, history after)``.
+
+        On a ZeroGPU Space this runs in a GPU worker (a fork of this process): its arguments and yields
+        are pickled (plain values only), and Stop / Clear reach it through the run's stop flag file
+        (:func:`app.runner.stop_requested`), polled before every forward pass."""
+        try:
+            turn = prepare_turn(registry, message, history, strategy, tau, k_max, k, max_new_tokens,
+                                model_key or default_key)
+        except RequestError as e:
+            yield error_outputs(str(e)), True, None
+            return
+        except Exception as e:  # noqa: BLE001 - never a traceback in the page
+            log.exception("preparing a turn failed")
+            yield error_outputs(f"{type(e).__name__}: {e}"), True, None
+            return
+        last_pane = last_fig = -1e9
+        first = True
+        for state in run_turn(turn, lambda: stop_requested(run_id)):
+            now = time.perf_counter()
+            if not (first or state.final or now - last_pane >= PANE_EVERY_S):
+                continue
+            due = now - last_fig >= FIGURE_EVERY_S
+            with exclusive():  # no forward pass of any session runs while this renders
+                out = turn_outputs(state, figures_due=due, first=first)
+            if state.phase == "error":
+                gr.Warning(state.error or "generation failed")
+            last_pane, first = now, False
+            if due:
+                last_fig = now
+            yield out, state.final, history_after(state) if state.final else None
+
+    if spaces.config.Config.zero_gpu:  # a GPU for this turn only, requested for about as long as it can take
+        generate_turn = spaces.GPU(duration=gpu_seconds)(generate_turn)
+
     def chat(message, history, strategy, tau, k_max, k, max_new_tokens, model_key,
              request: gr.Request = None) -> Iterator[tuple]:
         session = getattr(request, "session_hash", None)
@@ -300,42 +336,23 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True,
             n = f" (turn {running.turn_number})" if running is not None and running.turn_number else ""
             text = (f"Still answering your previous message{n}: one answer at a time per session. Your new message "
                     "stays in the box; send it when the answer is done, or press Stop first.")
-            gr.Warning(text)
             yield refused_outputs(text)
             return
         with ticket:
             try:
-                turn = prepare_turn(registry, message, history, strategy, tau, k_max, k, max_new_tokens,
-                                    model_key or default_key)
+                sent = parse_history(history)
             except RequestError as e:
                 yield error_outputs(str(e))
                 return
-            except Exception as e:  # noqa: BLE001 - never a traceback in the page
-                log.exception("preparing a turn failed")
-                yield error_outputs(f"{type(e).__name__}: {e}")
-                return
-            ticket.turn_number = turn.number
-            last_pane = last_fig = -1e9
-            first = True
-            for state in run_turn(turn, ticket.stop_reason):
-                now = time.perf_counter()
-                if not (first or state.final or now - last_pane >= PANE_EVERY_S):
-                    continue
-                due = now - last_fig >= FIGURE_EVERY_S
-                with exclusive():  # no forward pass of any session runs while this renders
-                    out = turn_outputs(state, figures_due=due, first=first)
-                if state.phase == "error":
-                    gr.Warning(state.error or "generation failed")
-                last_pane = now
-                if due:
-                    last_fig = now
-                first = False
-                if not state.final and ticket.stop_reason() is not None:
+            conversation = sessions.conversation(session, sent)  # a turn stopped just before still counts
+            ticket.turn_number = sum(1 for m in conversation if m["role"] == "user") + 1
+            for out, final, after in generate_turn(message, conversation, strategy, tau, k_max, k, max_new_tokens,
+                                                   model_key, ticket.run_id):
+                if final and after is not None:
+                    sessions.remember(session, after)
+                if not final and ticket.stop_reason() is not None:
                     continue  # Stop / Clear already answered the page: a late running update must not undo it
                 yield out
-
-    if spaces is not None:  # ZeroGPU: hold a GPU for the whole side-by-side generation
-        chat = spaces.GPU(duration=120)(chat)
 
     def stop(request: gr.Request = None):
         if sessions.request_stop(getattr(request, "session_hash", None), "stopped"):
@@ -343,7 +360,9 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True,
         return '<div class="mtp-notice" role="status">Nothing is running.</div>'
 
     def clear(strategy_choice, request: gr.Request = None):
-        sessions.request_stop(getattr(request, "session_hash", None), "cleared")
+        session = getattr(request, "session_hash", None)
+        sessions.request_stop(session, "cleared")
+        sessions.remember(session, [])
         return idle_outputs([], "Cleared: a new conversation starts with your next message.",
                             strategy_choice=strategy_choice)[1:]
 
