@@ -4,8 +4,8 @@ MTP pays off only where a pass over several tokens costs about what a one-token 
 batch 1, or a CPU computing in bf16 natively. On a CPU that computes in float32 (no native bf16), a pass
 of 1 real token + 3 masks costs well over a one-token pass, which eats the gain of keeping more tokens
 per pass. :func:`pass_costs` measures the curve once (a few passes over a short cached prompt), and
-:func:`best_lossless_k_max` turns it and a checkpoint's acceptance per draft position into the lossless
-setting that decodes fastest here.
+:func:`choose_verify_layout` turns it and a checkpoint's acceptance per draft position into the lossless
+setting (k_max and where the mask blocks go) that decodes fastest here.
 """
 
 from __future__ import annotations
@@ -77,38 +77,66 @@ def cost_at(costs: dict[int, float], width: int) -> float:
     return costs[b] + (costs[b] - costs[a]) * (width - b) / (b - a)
 
 
-def lossless_tokens_per_second(costs: dict[int, float], acceptance: Sequence[float], k_max: int) -> float:
-    """Expected tokens per second of linear lossless verification at ``k_max`` (a pass feeds the pending
-    token, ``k_max - 1`` drafts and ``k_max - 1`` masks; after a rejection the next pass has no drafts).
+def conditional_acceptance(by_position: Sequence[float | None]) -> list[float]:
+    """P(draft j accepted | drafts before it accepted) from the share of passes that accepted draft j
+    (:attr:`~model.engine.decoding.GenerationResult.acceptance_by_position`: a draft after a rejected one
+    counts as rejected, so that share is P(drafts 1..j all accepted))."""
+    out, prev = [], 1.0
+    for u in by_position:
+        u = 0.0 if u is None else float(u)
+        out.append(min(1.0, u / prev) if prev > 0 else 0.0)
+        prev = u
+    return out
+
+
+def verify_rate(costs: dict[int, float], acceptance: Sequence[float], k_max: int,
+                blocks: Sequence[int] | None = None) -> tuple[float, float]:
+    """Expected ``(tokens per pass, tokens per second)`` of lossless verification at ``k_max`` with mask
+    blocks after the draft prefixes in ``blocks`` (None: the linear layout, one block after all drafts).
+
+    Two states alternate: a pass with drafts feeds the pending token, ``n = k_max - 1`` drafts and
+    ``len(blocks)`` blocks of ``n`` masks, accepts ``a`` drafts with probability ``prod(p[:a]) (1 - p[a])``
+    and emits ``a + 1`` tokens; the next pass has drafts when a block followed the accepted prefix. A pass
+    without drafts feeds the pending token and one block of ``n`` masks, emits one token, and the next
+    pass has drafts.
 
     Args:
-        costs: :func:`pass_costs`.
-        acceptance: P(draft j accepted | drafts before it accepted), j = 1, 2, ... (missing positions: 0).
+        costs: :func:`pass_costs` (seconds by tokens fed).
+        acceptance: :func:`conditional_acceptance` by draft position (missing positions: 0).
     """
     if k_max <= 1:
-        return 1.0 / cost_at(costs, 1)
+        return 1.0, 1.0 / cost_at(costs, 1)
     n = k_max - 1
+    blocks = (n,) if blocks is None else tuple(blocks)
     p = [acceptance[j] if j < len(acceptance) else 0.0 for j in range(n)]
-    # P(exactly a drafts accepted of n)
     probs, alive = [], 1.0
     for j in range(n):
         probs.append(alive * (1 - p[j]))
         alive *= p[j]
     probs.append(alive)
-    full = probs[-1]  # every draft accepted: the next pass has drafts again
-    tokens_with = sum((a + 1) * q for a, q in enumerate(probs))
-    # Two states: with drafts (pass of 1 + 2n tokens), without (1 + n: the masks only).
-    # From "without", the next pass always has drafts; from "with", it has drafts with probability `full`.
-    share_with = 1.0 / (2.0 - full)
-    share_without = 1.0 - share_with
-    tokens = share_with * tokens_with + share_without * 1.0
-    seconds = share_with * cost_at(costs, 1 + 2 * n) + share_without * cost_at(costs, 1 + n)
-    return tokens / seconds
+    again = sum(q for a, q in enumerate(probs) if a in blocks)  # P(the next pass has drafts)
+    share_with = 1.0 / (2.0 - again)
+    tokens = share_with * sum((a + 1) * q for a, q in enumerate(probs)) + (1 - share_with)
+    seconds = share_with * cost_at(costs, 1 + n + len(blocks) * n) + (1 - share_with) * cost_at(costs, 1 + n)
+    return tokens, tokens / seconds
 
 
-def best_lossless_k_max(costs: dict[int, float], acceptance: Sequence[float], k_max_limit: int) -> tuple[int, float]:
-    """The lossless k_max (1 = standard decoding) with the most expected tokens per second, and that rate
-    relative to standard decoding's."""
+def choose_verify_layout(costs: dict[int, float], acceptance: Sequence[float], k_max_limit: int,
+                         max_blocks_k_max: int = 8) -> tuple[int, tuple[int, ...] | None, float]:
+    """The lossless setting with the most expected tokens per second on this device: ``(k_max, blocks,
+    speed relative to standard decoding)``; ``k_max`` 1 is standard decoding itself. Every k_max up to
+    ``k_max_limit`` with the linear layout is tried, and every set of block prefixes for k_max up to
+    ``max_blocks_k_max`` (2^k_max layouts each)."""
+    from itertools import combinations
+
     base = 1.0 / cost_at(costs, 1)
-    best = max(range(1, k_max_limit + 1), key=lambda k: lossless_tokens_per_second(costs, acceptance, k))
-    return best, lossless_tokens_per_second(costs, acceptance, best) / base
+    best: tuple[float, int, tuple[int, ...] | None] = (base, 1, None)
+    for k in range(2, k_max_limit + 1):
+        layouts: list[tuple[int, ...] | None] = [None]
+        if k <= max_blocks_k_max:
+            layouts += [c for r in range(1, k + 1) for c in combinations(range(k), r) if c != (k - 1,)]
+        for blocks in layouts:
+            rate = verify_rate(costs, acceptance, k, blocks)[1]
+            if rate > best[0] * (1 + 1e-9):
+                best = (rate, k, blocks)
+    return best[1], best[2], best[0] / base

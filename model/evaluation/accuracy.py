@@ -12,7 +12,9 @@ line). For every strategy it reports
   with any MTP adapter off — the paper's "quality under the teacher";
 * ``agreement_with_standard``: fraction of problems whose answer text equals standard decoding's
   exactly, and ``agreement_with_base``: the same against standard decoding of the base model
-  with the adapter off (identical to the former when the model has no adapter).
+  with the adapter off (identical to the former when the model has no adapter);
+* for lossless verification, the serving engines' figures: ``effective_k_mean`` is the mean
+  acceptance length, ``draft_acceptance_rate`` and ``acceptance_by_position`` (:func:`draft_metrics`).
 
 Strategies run one after another on each problem, so they share the machine's state evenly.
 :func:`write_figure` draws the Plotly Pareto figure (accuracy vs effective k) as ``.html`` and ``.png``.
@@ -65,7 +67,27 @@ def summarize(strategy: Strategy, records: list[dict]) -> dict:
         "agreement_with_base": sum(r["same_as_base"] for r in records) / n if n else 0.0,
         "answer_agreement_with_standard": sum(r["same_answer_as_standard"] for r in records) / n if n else 0.0,
     }
+    out.update(draft_metrics([d for r in records for d in r.get("drafts_per_pass", [])]))
     return out
+
+
+def draft_metrics(drafts: Sequence[Sequence[int]]) -> dict:
+    """Verification's acceptance figures, as vLLM and llama.cpp name them, from ``(proposed, accepted)``
+    per pass that fed drafts (:attr:`~model.engine.decoding.PassRecord.counted_drafts`):
+    ``draft_acceptance_rate`` (accepted / proposed drafts) and ``acceptance_by_position`` (per draft
+    position, the share of passes that proposed it in which it was accepted). The mean acceptance length
+    is ``effective_k_mean``. Empty dict without drafts."""
+    if not drafts:
+        return {}
+    proposed = sum(n for n, _ in drafts)
+    accepted = sum(a for _, a in drafts)
+    width = max(n for n, _ in drafts)
+    by_pos = []
+    for j in range(width):
+        seen = [a for n, a in drafts if n > j]
+        by_pos.append(sum(a > j for a in seen) / len(seen))
+    return {"drafts_proposed": proposed, "drafts_accepted": accepted,
+            "draft_acceptance_rate": accepted / proposed if proposed else None, "acceptance_by_position": by_pos}
 
 
 def evaluate(
@@ -178,6 +200,7 @@ def _record(lm: LoadedModel, prompt_ids: list[int], res: GenerationResult, gold:
         "text": res.text, "extracted": extracted, "correct": is_correct(extracted, gold),
         "new_tokens": res.new_tokens, "forward_passes": res.forward_passes, "effective_k": res.effective_k,
         "kept_per_pass": [len(p.kept) for p in res.passes], "seconds": res.seconds,
+        "drafts_per_pass": [list(p.counted_drafts) for p in res.passes if p.fed_drafts],
         "nll_sum": nll_sum, "nll_tokens": nll_tokens,
         "nll_teacher": nll_sum / nll_tokens if nll_tokens else None,
         "same_as_standard": res.text == std_text,
@@ -275,10 +298,17 @@ def write_figure(report: dict, out_json: Path) -> dict:
         return {"html": str(html), "png": None, "png_error": msg}
 
 
+def _drafts_cell(row: dict) -> str:
+    if row.get("draft_acceptance_rate") is None:
+        return ""
+    return (f"  {row['draft_acceptance_rate']:.2f} ("
+            + " / ".join(f"{x:.2f}" for x in row.get("acceptance_by_position", [])) + ")")
+
+
 def format_table(report: dict) -> str:
     """The summary as a plain-text table (one row per strategy)."""
     head = (f"{'strategy':<26} {'acc':>6} {'±se':>6} {'k mean':>7} {'k std':>6} {'tok/s':>7} "
-            f"{'NLL(T)':>7} {'=std':>5} {'=base':>6}")
+            f"{'NLL(T)':>7} {'=std':>5} {'=base':>6}  draft acceptance (by position)")
     lines = [head, "-" * len(head)]
     rows = list(report["strategies"])
     if report.get("base_standard"):
@@ -288,5 +318,5 @@ def format_table(report: dict) -> str:
         lines.append(
             f"{r['label']:<26} {r['accuracy']:>6.3f} {r['accuracy_stderr']:>6.3f} {r['effective_k_mean']:>7.2f} "
             f"{r['effective_k_std']:>6.2f} {r['tokens_per_second']:>7.1f} {nll:>7} "
-            f"{r['agreement_with_standard']:>5.2f} {r['agreement_with_base']:>6.2f}")
+            f"{r['agreement_with_standard']:>5.2f} {r['agreement_with_base']:>6.2f}" + _drafts_cell(r))
     return "\n".join(lines)

@@ -38,6 +38,7 @@ from ..engine.loading import DEFAULT_SOURCE, load_checkpoint, trained_k_max
 from ..engine.scoring import teacher_logprob
 from ..engine.strategies import DEFAULT_K_MAX, check_max_new_tokens, resolve_strategy
 from ..engine.text import chat_prompt_ids, encode_literal
+from .accuracy import draft_metrics
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,9 @@ class MTPLM(LM):
         batch_size, max_batch_size: accepted for the harness's CLI; decoding is batch size 1.
 
     Attributes:
-        stats: ``{"requests", "new_tokens", "forward_passes", "effective_k", "seconds",
-            "tokens_per_second", "strategy"}`` accumulated over all ``generate_until`` requests.
+        stats: ``{"requests", "new_tokens", "forward_passes", "effective_k" (= "mean_acceptance_length"),
+            "seconds", "tokens_per_second", "strategy"}`` accumulated over all ``generate_until`` requests,
+            and for lossless verification ``"draft_acceptance_rate"`` and ``"acceptance_by_position"``.
 
     Raises:
         ValueError: bad strategy parameters or max_gen_toks; CheckpointError for bad sources.
@@ -108,8 +110,9 @@ class MTPLM(LM):
         self._rendered: dict[str, list[int]] = {}
         self.stats_file = stats_file
         self.stats: dict[str, Any] = {"strategy": self.strategy.spec, "requests": 0, "new_tokens": 0,
-                                      "forward_passes": 0, "effective_k": 0.0, "seconds": 0.0,
-                                      "tokens_per_second": 0.0}
+                                      "forward_passes": 0, "effective_k": 0.0, "mean_acceptance_length": 0.0,
+                                      "seconds": 0.0, "tokens_per_second": 0.0}
+        self._drafts: list[list[int]] = []
         for note in self.lm.warnings:
             log.warning(note)
         INSTANCES.append(self)
@@ -172,6 +175,7 @@ class MTPLM(LM):
             for u in until:
                 if u and u in text:
                     text = text.split(u, 1)[0]
+            self._drafts += [list(p.counted_drafts) for p in res.passes if p.fed_drafts]
             self._account(res.new_tokens, res.forward_passes, time.perf_counter() - t0)
             self.cache_hook.add_partial("generate_until", req.args, text)
             out.append(text)
@@ -187,8 +191,9 @@ class MTPLM(LM):
         s["new_tokens"] += tokens
         s["forward_passes"] += passes
         s["seconds"] += seconds
-        s["effective_k"] = s["new_tokens"] / s["forward_passes"] if s["forward_passes"] else 0.0
+        s["effective_k"] = s["mean_acceptance_length"] = s["new_tokens"] / s["forward_passes"] if s["forward_passes"] else 0.0
         s["tokens_per_second"] = s["new_tokens"] / s["seconds"] if s["seconds"] > 0 else 0.0
+        s.update(draft_metrics(self._drafts))
 
     def _write_stats(self) -> None:
         if self.stats_file:

@@ -41,6 +41,7 @@ from ..engine.decoding import hf_generate, run
 from ..engine.loaded_model import LoadedModel
 from ..engine.loading import REPO_ROOT
 from ..engine.strategies import check_max_new_tokens, parse_strategies
+from .accuracy import draft_metrics
 
 HF = "hf_generate"
 DEFAULT_DATA = REPO_ROOT / "assets" / "gsm8k_test_sample.jsonl"
@@ -126,11 +127,14 @@ def run_one(lm: LoadedModel, method: str, strategy: Any, prompt_ids: list[int], 
     if method == HF:
         ids = hf_generate(lm, prompt_ids, max_new_tokens)
         passes = len(ids)
+        drafts: list[list[int]] = []
     else:
         res = run(lm, prompt_ids, strategy, max_new_tokens)
         ids, passes = res.token_ids, res.forward_passes
+        drafts = [list(p.counted_drafts) for p in res.passes if p.fed_drafts]
     _sync(dev)
-    return {"tokens": len(ids), "forward_passes": passes, "seconds": time.perf_counter() - t0, "token_ids": ids}
+    return {"tokens": len(ids), "forward_passes": passes, "seconds": time.perf_counter() - t0, "token_ids": ids,
+            "drafts": drafts}
 
 
 @torch.inference_mode()
@@ -245,6 +249,7 @@ def bench(
             run_one(runners.get(name, lm), name, s, prompt_ids[0], min(max_new_tokens, 8))
     per: dict[str, list[dict]] = {name: [] for name, _ in methods}
     outputs: dict[str, list[list[int]]] = {name: [] for name, _ in methods}
+    drafts: dict[str, list[list[int]]] = {name: [] for name, _ in methods}
     for r in range(repeats):
         order = methods[r % len(methods):] + methods[: r % len(methods)]
         totals = {name: {"tokens": 0, "forward_passes": 0, "seconds": 0.0} for name, _ in methods}
@@ -255,6 +260,7 @@ def bench(
                     totals[name][key] += res[key]
                 if r == 0:
                     outputs[name].append(res["token_ids"])
+                    drafts[name] += res["drafts"]
         for name, _ in methods:
             per[name].append(totals[name])
 
@@ -269,6 +275,7 @@ def bench(
             "forward_passes_per_second": statistics.median(pps),
             "tokens": runs[0]["tokens"], "forward_passes": runs[0]["forward_passes"],
             "effective_k": runs[0]["tokens"] / runs[0]["forward_passes"] if runs[0]["forward_passes"] else 0.0,
+            **draft_metrics(drafts[name]),
         })
     hf_tps = rows[0]["tokens_per_second"]
     for row in rows:
@@ -327,8 +334,11 @@ def format_table(report: dict) -> str:
     head = f"{'method':<34} {'tokens/s':>9} {'x HF':>6} {'eff. k':>7} {'passes/s':>9} {'new tokens':>10}"
     lines = [head, "-" * len(head)]
     for r in report["methods"]:
+        drafts = "" if r.get("draft_acceptance_rate") is None else (
+            f"  drafts accepted {r['draft_acceptance_rate']:.2f} (by position "
+            + " / ".join(f"{x:.2f}" for x in r["acceptance_by_position"]) + ")")
         lines.append(f"{r['label']:<34} {r['tokens_per_second']:>9.1f} {r['ratio_to_hf']:>6.2f} "
-                     f"{r['effective_k']:>7.2f} {r['forward_passes_per_second']:>9.1f} {r['tokens']:>10d}")
+                     f"{r['effective_k']:>7.2f} {r['forward_passes_per_second']:>9.1f} {r['tokens']:>10d}{drafts}")
     lines.append(f"median of {c['repeats']} repeats x {c['prompts']} prompts x {c['max_new_tokens']} new tokens; "
                  f"{c['device']} {c['dtype']}, {c['torch_threads']} torch threads; {c['forward_path']}")
     lines.append(f"baseline: {c['hf_baseline']}; weights {c['weight_bytes'] / 1e6:.0f} MB")
