@@ -1,4 +1,5 @@
-"""The fast forward path (model/fast_forward.py) against the library path (transformers + peft).
+"""The fast forward path (model/engine/fast_forward.py, its weights packed by fast_weights.py, its
+KV cache kv_cache.py) against the library path (transformers + peft).
 
 ``lm.forward`` picks the implementation from the cache it is given: ``lm.new_cache()`` (a
 ``KVCache``) runs the fast path, a transformers ``DynamicCache`` the library path, so the same pass
@@ -28,16 +29,16 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import DynamicCache
 
-from model.engine.loading import load_checkpoint, resolve_dtype, wrap_model
-from model.engine.precision import native_bf16
 from model.engine.decoding import Decoder, generate, hf_generate
-from model.engine.strategies import confadapt, standard, static_k, verify
 from model.engine.fast_forward import build_engine
 from model.engine.kv_cache import KVCache
+from model.engine.loading import load_checkpoint, wrap_model
+from model.engine.strategies import confadapt, standard, static_k, verify
 from model.errors import Unsupported
 from tests.conftest import make_tiny
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
 
@@ -172,32 +173,6 @@ def test_standard_with_alora_equals_hf_generate_on_base(base_tokenizer):
         assert generate(lm, PROMPT, standard(), 32).token_ids == hf_generate(plain, ids, 32)
 
 
-def test_cache_grows_and_crops(base_tokenizer):
-    """A cache that starts with 4 positions grows (doubling) through a long generation and still holds
-    exactly a fresh prefill's keys/values; crop follows DynamicCache.crop (negative: drop, else keep)."""
-    lm = _tiny(base_tokenizer, "llama", torch.float64)
-    engine = lm.fast_engine()
-    dec = Decoder(lm, lm.prompt_ids(PROMPT), confadapt(0.5, 4), 40)
-    dec.cache = engine.new_cache(capacity=4)
-    list(dec)
-    assert dec.cache.capacity >= dec.cache.get_seq_length() == len(dec.cached_ids)
-    with torch.inference_mode():
-        fresh = lm.model(torch.tensor([dec.cached_ids]), use_cache=True).past_key_values
-    for layer, ref in zip(dec.cache.layers, fresh.layers):
-        assert layer.keys.shape == ref.keys.shape
-        torch.testing.assert_close(layer.keys, ref.keys, atol=1e-10, rtol=0)
-        torch.testing.assert_close(layer.values, ref.values, atol=1e-10, rtol=0)
-    assert dec.generated == generate(dataclasses.replace(lm, fast=False), PROMPT, confadapt(0.5, 4), 40).token_ids
-    c = dec.cache
-    n = c.get_seq_length()
-    c.crop(-3)
-    assert c.get_seq_length() == n - 3
-    c.crop(n + 10)  # longer than cached: nothing happens
-    assert c.get_seq_length() == n - 3
-    c.crop(5)
-    assert c.get_seq_length() == 5 and c.layers[0].keys.shape[2] == 5
-
-
 def test_base_model_context_switches_the_adapter_off(base_tokenizer):
     """Inside lm.base_model() a mask pass runs on the base weights on both paths (the teacher), and
     lm.without_adapter() decodes with the base."""
@@ -261,13 +236,74 @@ def test_a_cache_of_another_model_is_refused(base_tokenizer):
         b.forward(x, a.new_cache(), num_masks=0, logits_to_keep=1)
 
 
-def test_dtype_auto_follows_native_bf16():
-    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if native_bf16("cpu") else torch.float32)
-    assert resolve_dtype(None, torch.device("cpu")) == resolve_dtype("auto", "cpu")
-    assert resolve_dtype("float64", "cpu") == torch.float64
+def test_lora_outside_the_projections_falls_back(base_tokenizer):
+    """A LoRA on the output embedding (or peft modules_to_save) is not applied by the fast path: it says
+    so and the library path runs, so the adapter is never silently dropped."""
+    tok = copy.deepcopy(base_tokenizer)
+    lm = wrap_model(make_tiny(tok, dtype=torch.float64), tok, source="tiny")
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"], init_lora_weights=False)
+    lm.model, lm.adapter = get_peft_model(lm.model, cfg).eval(), "lora"
+    assert lm.fast_engine() is None and "outside the attention and MLP" in lm.forward_path
+    tok2 = copy.deepcopy(base_tokenizer)
+    lm2 = wrap_model(make_tiny(tok2, dtype=torch.float64), tok2, source="tiny")
+    cfg2 = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    lm2.model, lm2.adapter = get_peft_model(lm2.model, cfg2).eval(), "lora"
+    assert lm2.fast_engine() is None and "modules_to_save" in lm2.forward_path
+    assert isinstance(lm2.new_cache(), DynamicCache)
 
 
-# --------------------------------------------------------------------------- SmolLM2 (integration)
+def test_partial_lora_targets_match_peft(base_tokenizer):
+    """LoRA on some projections only (q, v, down): block-diagonal B with gaps; equal to peft (1e-10)."""
+    tok = copy.deepcopy(base_tokenizer)
+    lm = wrap_model(make_tiny(tok, arch="qwen", dtype=torch.float64), tok, source="tiny")
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False,
+                     alora_invocation_tokens=[lm.mask_token_id])
+    lm.model, lm.adapter = get_peft_model(lm.model, cfg).eval(), "alora"
+    assert lm.fast_engine() is not None
+    passes, _, _ = _both(lm, _schedule(lm))
+    for a, b, m in passes:
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+# ----------------------------------------------------------------- the KV cache
+def test_cache_grows_and_crops(base_tokenizer):
+    """A cache that starts with 4 positions grows (doubling) through a long generation and still holds
+    exactly a fresh prefill's keys/values; crop follows DynamicCache.crop (negative: drop, else keep)."""
+    lm = _tiny(base_tokenizer, "llama", torch.float64)
+    engine = lm.fast_engine()
+    dec = Decoder(lm, lm.prompt_ids(PROMPT), confadapt(0.5, 4), 40)
+    dec.cache = engine.new_cache(capacity=4)
+    list(dec)
+    assert dec.cache.capacity >= dec.cache.get_seq_length() == len(dec.cached_ids)
+    with torch.inference_mode():
+        fresh = lm.model(torch.tensor([dec.cached_ids]), use_cache=True).past_key_values
+    for layer, ref in zip(dec.cache.layers, fresh.layers):
+        assert layer.keys.shape == ref.keys.shape
+        torch.testing.assert_close(layer.keys, ref.keys, atol=1e-10, rtol=0)
+        torch.testing.assert_close(layer.values, ref.values, atol=1e-10, rtol=0)
+    assert dec.generated == generate(dataclasses.replace(lm, fast=False), PROMPT, confadapt(0.5, 4), 40).token_ids
+    c = dec.cache
+    n = c.get_seq_length()
+    c.crop(-3)
+    assert c.get_seq_length() == n - 3
+    c.crop(n + 10)  # longer than cached: nothing happens
+    assert c.get_seq_length() == n - 3
+    c.crop(5)
+    assert c.get_seq_length() == 5 and c.layers[0].keys.shape[2] == 5
+
+
+def test_cache_growth_stops_at_the_model_positions():
+    c = KVCache(2, 1, 4, torch.float32, torch.device("cpu"), capacity=4, max_capacity=10)
+    c.k[0][:, :, :3] = 1.0
+    c.length = 3
+    c.reserve(5)
+    assert c.capacity == 8 and torch.equal(c.k[0][:, :, :3], torch.ones(1, 1, 3, 4))
+    c.reserve(9)
+    assert c.capacity == 10  # not 16: the model has 10 positions
+    assert len(c.layers) == 2 and c.layers[1].values.shape == (1, 1, 3, 4)
+
+
+# -------------------------------------------------------- SmolLM2 (integration)
 @pytest.fixture(scope="module")
 def shipped():
     """The embedded default with its shipped aLoRA adapter, in float32 and in bfloat16."""
@@ -316,43 +352,3 @@ def test_smollm2_bf16_standard_with_adapter_equals_hf_generate(shipped):
     prompt = "Janet has 3 apples and buys 5 more. How many apples does she have? Think step by step."
     assert generate(lm, prompt, standard(), 64).token_ids == hf_generate(plain, lm.prompt_ids(prompt), 64)
     assert lm.fast_engine() is not None and lm.fast_engine().source is lm.model  # plain did not take it over
-
-
-def test_lora_outside_the_projections_falls_back(base_tokenizer):
-    """A LoRA on the output embedding (or peft modules_to_save) is not applied by the fast path: it says
-    so and the library path runs, so the adapter is never silently dropped."""
-    tok = copy.deepcopy(base_tokenizer)
-    lm = wrap_model(make_tiny(tok, dtype=torch.float64), tok, source="tiny")
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"], init_lora_weights=False)
-    lm.model, lm.adapter = get_peft_model(lm.model, cfg).eval(), "lora"
-    assert lm.fast_engine() is None and "outside the attention and MLP" in lm.forward_path
-    tok2 = copy.deepcopy(base_tokenizer)
-    lm2 = wrap_model(make_tiny(tok2, dtype=torch.float64), tok2, source="tiny")
-    cfg2 = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"])
-    lm2.model, lm2.adapter = get_peft_model(lm2.model, cfg2).eval(), "lora"
-    assert lm2.fast_engine() is None and "modules_to_save" in lm2.forward_path
-    assert isinstance(lm2.new_cache(), DynamicCache)
-
-
-def test_partial_lora_targets_match_peft(base_tokenizer):
-    """LoRA on some projections only (q, v, down): block-diagonal B with gaps; equal to peft (1e-10)."""
-    tok = copy.deepcopy(base_tokenizer)
-    lm = wrap_model(make_tiny(tok, arch="qwen", dtype=torch.float64), tok, source="tiny")
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False,
-                     alora_invocation_tokens=[lm.mask_token_id])
-    lm.model, lm.adapter = get_peft_model(lm.model, cfg).eval(), "alora"
-    assert lm.fast_engine() is not None
-    passes, _, _ = _both(lm, _schedule(lm))
-    for a, b, m in passes:
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
-
-
-def test_cache_growth_stops_at_the_model_positions():
-    c = KVCache(2, 1, 4, torch.float32, torch.device("cpu"), capacity=4, max_capacity=10)
-    c.k[0][:, :, :3] = 1.0
-    c.length = 3
-    c.reserve(5)
-    assert c.capacity == 8 and torch.equal(c.k[0][:, :, :3], torch.ones(1, 1, 3, 4))
-    c.reserve(9)
-    assert c.capacity == 10  # not 16: the model has 10 positions
-    assert len(c.layers) == 2 and c.layers[1].values.shape == (1, 1, 3, 4)

@@ -1,24 +1,21 @@
-"""The lm-eval-harness model ``mtp``: generate_until with our decoding, on a local task (no Hub data)."""
+"""The lm-eval-harness model ``mtp`` (model/evaluation/lm_eval_model.py): generate_until with our
+decoding, log-likelihoods under the base model, a local task end to end (no Hub data)."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from lm_eval.api.instance import Instance
 
 from model.engine.decoding import Decoder
-from model.engine.strategies import confadapt, standard
 from model.engine.scoring import teacher_logprob, teacher_nll
+from model.engine.strategies import confadapt, standard
 from model.evaluation.lm_eval_model import MTPLM
-
-ROOT = Path(__file__).resolve().parent.parent
-TASK_DIR = ROOT / "tests" / "data"
+from tests.conftest import TASK_DIR
 
 
 def _gen_request(context: str, **gen_kwargs) -> Instance:
@@ -104,40 +101,13 @@ def test_simple_evaluate_on_local_task_tiny_model(tiny_lm):
     assert [s["target"] for s in samples] == ["5", "12"]
 
 
-@pytest.mark.integration
-@pytest.mark.slow
-def test_cli_lm_eval_mtp_on_local_task_default_model(tmp_path, smollm2):
-    """``python -m model.lm_eval_mtp --model mtp ...`` with the real SmolLM2 on tests/data/gsm8k_mini."""
-    stats = tmp_path / "stats.json"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "model.lm_eval_mtp", "--model", "mtp",
-           # dtype float32 explicitly: the check below decodes with the float32 smollm2 fixture
-           "--model_args", f"pretrained=smollm2-135m,tau=0.9,k_max=16,max_gen_toks=24,dtype=float32,"
-                           f"stats_file={stats}",
-           "--tasks", "gsm8k_mini", "--include_path", str(TASK_DIR), "--limit", "3",
-           "--output_path", str(tmp_path / "out"), "--log_samples"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "gsm8k_mini" in proc.stdout and "exact_match" in proc.stdout
-    assert "effective k" in proc.stderr
-    s = json.loads(stats.read_text())
-    assert s["requests"] == 3 and s["strategy"] == "confadapt:0.9:16" and s["effective_k"] >= 1.0
-    [results_file] = list((tmp_path / "out").rglob("results_*.json"))
-    acc = json.loads(results_file.read_text())["results"]["gsm8k_mini"]["exact_match,flexible-extract"]
-    [samples_file] = list((tmp_path / "out").rglob("samples_gsm8k_mini_*.jsonl"))
-    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
-    assert len(samples) == 3 and acc == pytest.approx(sum(x["exact_match"] for x in samples) / 3)
-    sample = samples[0]
-    # the harness's answer for the first problem is our ConfAdapt decoding of the same context, cut at a stop string
-    ctx, gen_kwargs = sample["arguments"]["gen_args_0"]["arg_0"], sample["arguments"]["gen_args_0"]["arg_1"]
-    assert gen_kwargs["max_gen_toks"] == 32  # the task's value wins over the model's default (24)
-    dec = Decoder(smollm2, smollm2.tokenizer(ctx, add_special_tokens=False)["input_ids"], confadapt(0.9, 16), 32)
-    text = ""
-    for rec in dec:
-        text += rec.text
-        if any(u in text for u in ("Question:", "\n\n", "<|im_end|>")):
-            break
-    text = dec.result().text
-    for u in ("Question:", "\n\n", "<|im_end|>"):
-        text = text.split(u, 1)[0]
-    assert sample["resps"][0][0] == text
+def test_model_without_bos_or_eos_in_lm_eval(tiny_lm):
+    from model.evaluation.lm_eval_model import MTPLM
+
+    tok = copy.deepcopy(tiny_lm.tokenizer)
+    lm = dataclasses.replace(tiny_lm, tokenizer=tok, stop_token_ids=(), prompt_format="bos_newlines")
+    tok.bos_token = None
+    assert lm.prompt_ids("hi")[0] != tok.convert_tokens_to_ids("<|im_start|>")
+    m = MTPLM(lm, strategy="standard")
+    with pytest.raises(ValueError, match="neither a BOS nor an EOS"):
+        m._prefix_id()

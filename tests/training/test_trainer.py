@@ -1,5 +1,6 @@
-"""The trainer (paper 3.3): learning, DDP, resume, export, bad data. CPU, tiny random models over the
-real SmolLM2 tokenizer."""
+"""The trainer (model/training/trainer.py, paper 3.3): learning, bf16 autocast, DDP, resume, export,
+activated-LoRA checkpoints, a non-finite loss. CPU, tiny random models over the real SmolLM2
+tokenizer; one integration test on SmolLM2 itself."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model.engine.loading import load_checkpoint
-from model.engine.decoding import Decoder
-from model.engine.strategies import confadapt
+from model.engine.decoding import Decoder, generate, hf_generate
+from model.engine.loading import load_checkpoint, wrap_model
+from model.engine.strategies import confadapt, standard
 from model.train import main
 from model.training.config import TrainConfig
-from model.training.trainer import export_model, load_for_training, train
-from tests.conftest import ROOT, make_tiny, mtp_run, pretrained_teacher
+from model.training.trainer import export_model, load_for_training
+from tests.conftest import ROOT, make_tiny, mtp_run, pretrained_teacher, train_args
+
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT),
        "OMP_NUM_THREADS": "1"}
@@ -30,56 +32,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, base_tokenizer):
-    """A local HF model directory: a tiny random Llama + the real SmolLM2 tokenizer (mask token included),
-    and a small GSM8K-style JSONL file."""
-    d = tmp_path_factory.mktemp("tiny")
-    tok = copy.deepcopy(base_tokenizer)
-    model = make_tiny(tok)
-    model.save_pretrained(str(d / "model"))
-    tok.save_pretrained(str(d / "model"))
-    with (d / "data.jsonl").open("w") as f:
-        for i in range(24):
-            f.write(json.dumps({"question": f"What is {i} plus {i + 1}?",
-                                "answer": f"{i} plus {i + 1} is {2 * i + 1}.\n#### {2 * i + 1}"}) + "\n")
-    return d
-
-
-def _args(tiny_dir, out, *extra):
-    return ["--base", str(tiny_dir / "model"), "--data", str(tiny_dir / "data.jsonl"), "--output", str(out),
-            "--batch-size", "2", "--k-max", "4", "--seq-len", "48", "--lr", "1e-3", "--warmup", "1",
-            *map(str, extra)]
-
-
-# ----------------------------------------------------------------------------- bad data
-@pytest.mark.parametrize("content,line,reason", [
-    ('{"question": "a?", "answer": "b"}\n{"question": "c?"}\n', 2, "missing field 'answer'"),
-    ('{"question": "a?", "answer": "b"}\n{"text": "c"}\n', 2, "missing field 'question' or 'prompt'"),
-    ("", None, "no examples (the file is empty)"),
-    ('{"question": "a?", "answer": "b"}\n\n{"question": "c?", answer: 1}\n', 3, "not valid JSON"),
-    ('["question", "answer"]\n', 1, "expected a JSON object"),
-])
-def test_bad_data_stops_before_training(tiny_dir, tmp_path, capsys, content, line, reason):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text(content)
-    out = tmp_path / "run"
-    code = main(["--base", str(tiny_dir / "model"), "--data", str(bad), "--output", str(out), "--max-steps", "1"])
-    err = capsys.readouterr().err
-    assert code == 2
-    where = f"{bad}:{line}:" if line else f"{bad}:"
-    assert where in err and reason in err, err
-    assert not (out / "train_log.jsonl").exists()  # no training step ran
-
-
-def test_bad_options_are_rejected(tiny_dir, tmp_path, capsys):
-    assert main(_args(tiny_dir, tmp_path / "r", "--k-max", "1")) == 2
-    assert "--k-max must be in [2, 64]" in capsys.readouterr().err
-    assert main(_args(tiny_dir, tmp_path / "r", "--adapter", "alora", "--lora-rank", "0")) == 2
-    assert "needs --lora-rank" in capsys.readouterr().err
-
-
-# ----------------------------------------------------------------------------- learning
+# --------------------------------------------------------------------- learning
 def test_mtp_training_raises_teacher_agreement(base_tokenizer, tmp_path):
     """40 MTP steps (LoRA r=8 + mask row, lr 1e-2, k in [2, 4], batch 4, float32) on a teacher that
     knows its corpus raise teacher agreement at mask positions from ~0.2 to ~0.9.
@@ -127,14 +80,14 @@ def test_bf16_autocast_matches_float32(base_tokenizer, tmp_path):
     assert auto[0]["mixed_precision"] == ("bf16" if native_bf16("cpu") else "no")
 
 
-# ----------------------------------------------------------------------------- DDP
-def test_ddp_two_processes_identical_weights(tiny_dir, tmp_path):
+# -------------------------------------------------------------------------- DDP
+def test_ddp_two_processes_identical_weights(tiny_train_dir, tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2` on a CPU-only machine runs gloo DDP
     (the trainer sets cpu=True without CUDA); after 3 LoRA steps both ranks hold identical weights."""
     out = tmp_path / "ddp"
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
-           "-m", "model.train", *_args(tiny_dir, out, "--max-steps", "3", "--debug-dump-params")]
+           "-m", "model.train", *train_args(tiny_train_dir, out, "--max-steps", "3", "--debug-dump-params")]
     if torch.cuda.is_available():
         pytest.skip("this check is for CPU-only machines")
     r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
@@ -154,20 +107,20 @@ def test_ddp_two_processes_identical_weights(tiny_dir, tmp_path):
     assert (out / "final" / "adapter_model.safetensors").stat().st_size < 2_000_000
 
 
-# ----------------------------------------------------------------------------- resume
-def test_kill_and_resume_equals_uninterrupted(tiny_dir, tmp_path):
+# --------------------------------------------------------------- resume, export
+def test_kill_and_resume_equals_uninterrupted(tiny_train_dir, tmp_path):
     """Full fine-tune, 4 steps: killed (SIGKILL) right after the step-2 checkpoint and resumed ==
     uninterrupted, bit for bit (weights, optimizer state, log)."""
     a, b = tmp_path / "a", tmp_path / "b"
     base = ["--lora-rank", "0", "--max-steps", "4", "--save-every", "2", "--keep-checkpoints", "3"]
-    assert main(_args(tiny_dir, a, *base)) == 0
-    r = subprocess.run([sys.executable, "-m", "model.train", *_args(tiny_dir, b, *base, "--debug-crash-after-step", "2")],
+    assert main(train_args(tiny_train_dir, a, *base)) == 0
+    r = subprocess.run([sys.executable, "-m", "model.train", *train_args(tiny_train_dir, b, *base, "--debug-crash-after-step", "2")],
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == -9, r.stderr[-2000:]
     assert (b / "checkpoint-2").is_dir() and not (b / "checkpoint-3").exists() and not (b / "final").exists()
     with (b / "train_log.jsonl").open("a") as f:  # as if step 3 had been logged before the kill
         f.write(json.dumps({"step": 3, "loss": 0.0}) + "\n")
-    assert main(_args(tiny_dir, b, *base, "--resume", "auto")) == 0
+    assert main(train_args(tiny_train_dir, b, *base, "--resume", "auto")) == 0
     wa, wb = load_file(str(a / "checkpoint-4" / "model.safetensors")), load_file(str(b / "checkpoint-4" / "model.safetensors"))
     w2 = load_file(str(b / "checkpoint-2" / "model.safetensors"))
     assert wa.keys() == wb.keys()
@@ -188,10 +141,10 @@ def test_kill_and_resume_equals_uninterrupted(tiny_dir, tmp_path):
     assert 1 <= len(list(dec)) <= 6
 
 
-def test_lora_export_reloads_exactly(tiny_dir, tmp_path):
+def test_lora_export_reloads_exactly(tiny_train_dir, tmp_path):
     """An adapter export (float32 here) reloads through load_checkpoint with identical logits,
     masks included (adapter + trained mask row)."""
-    cfg = TrainConfig(base=str(tiny_dir / "model"), data="x", output=str(tmp_path), lora_rank=4, save_dtype="float32")
+    cfg = TrainConfig(base=str(tiny_train_dir / "model"), data="x", output=str(tmp_path), lora_rank=4, save_dtype="float32")
     setup = load_for_training(cfg, torch.device("cpu"))
     lm = setup.lm
     torch.manual_seed(3)
@@ -202,7 +155,7 @@ def test_lora_export_reloads_exactly(tiny_dir, tmp_path):
     setup.student.eval()
     out = export_model(cfg, lm, setup.student, tmp_path / "final")
     meta = json.loads((out / "mtp_adapter.json").read_text())
-    assert meta["adapter"] == "lora" and meta["base"] == str((tiny_dir / "model").resolve())
+    assert meta["adapter"] == "lora" and meta["base"] == str((tiny_train_dir / "model").resolve())
     back = load_checkpoint(str(out), device="cpu", dtype="float32")  # exactness check: float32 explicitly
     ids = torch.tensor([lm.prompt_ids("Hello there") + [lm.mask_token_id] * 3])
     with torch.no_grad():
@@ -214,8 +167,8 @@ def test_lora_export_reloads_exactly(tiny_dir, tmp_path):
     assert torch.allclose(base.get_input_embeddings().weight[lm.mask_token_id], rows[0])
     # --init-adapter continues from that adapter (lr 1e-12: the weights barely move) and keeps its base.
     run = tmp_path / "cont"
-    assert main(_args(tiny_dir, run, "--init-adapter", out, "--max-steps", "1", "--lr", "1e-12", "--warmup", "0",
-                      "--save-dtype", "float32")) == 0
+    assert main(train_args(tiny_train_dir, run, "--init-adapter", out, "--max-steps", "1", "--lr", "1e-12", "--warmup", "0",
+                            "--save-dtype", "float32")) == 0
     a, b = load_file(str(out / "adapter_model.safetensors")), load_file(str(run / "final" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and any("lora_B" in k for k in a)
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
@@ -223,40 +176,106 @@ def test_lora_export_reloads_exactly(tiny_dir, tmp_path):
     assert json.loads((run / "final" / "mtp_adapter.json").read_text())["base"] == meta["base"]
 
 
-def test_adapter_checkpoints_hold_trainable_weights_and_resume_exactly(tiny_dir, tmp_path):
+def test_adapter_checkpoints_hold_trainable_weights_and_resume_exactly(tiny_train_dir, tmp_path):
     """An aLoRA run's checkpoint holds only the trainable weights (no frozen base) and resumes bit for
     bit; --compact-checkpoints stores the AdamW moments in bf16 (smaller) and still resumes."""
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     base = ["--adapter", "alora", "--lora-rank", "4", "--max-steps", "4", "--save-every", "2", "--keep-checkpoints", "3",
             "--mixed-precision", "no", "--save-dtype", "float32"]
-    assert main(_args(tiny_dir, a, *base)) == 0
-    assert main(_args(tiny_dir, b, *base, "--max-steps", "2")) == 0
-    assert main(_args(tiny_dir, b, *base, "--resume", "auto")) == 0
+    assert main(train_args(tiny_train_dir, a, *base)) == 0
+    assert main(train_args(tiny_train_dir, b, *base, "--max-steps", "2")) == 0
+    assert main(train_args(tiny_train_dir, b, *base, "--resume", "auto")) == 0
     wa, wb = load_file(str(a / "checkpoint-4" / "model.safetensors")), load_file(str(b / "checkpoint-4" / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert all("lora_" in k or "trainable_tokens" in k for k in wa)  # no frozen base weights
     fa = load_file(str(a / "final" / "adapter_model.safetensors"))
     fb = load_file(str(b / "final" / "adapter_model.safetensors"))
     assert all(torch.equal(fa[k], fb[k]) for k in fa)
-    assert main(_args(tiny_dir, c, *base, "--max-steps", "2", "--compact-checkpoints")) == 0
+    assert main(train_args(tiny_train_dir, c, *base, "--max-steps", "2", "--compact-checkpoints")) == 0
     opt = torch.load(c / "checkpoint-2" / "optimizer.bin", weights_only=False)["state"]
     assert all(st["exp_avg"].dtype == torch.bfloat16 for st in opt.values())
     assert (c / "checkpoint-2" / "optimizer.bin").stat().st_size < 0.7 * (a / "checkpoint-2" / "optimizer.bin").stat().st_size
-    assert main(_args(tiny_dir, c, *base, "--compact-checkpoints", "--resume", "auto")) == 0
+    assert main(train_args(tiny_train_dir, c, *base, "--compact-checkpoints", "--resume", "auto")) == 0
     lc = [json.loads(x) for x in (c / "train_log.jsonl").read_text().splitlines()]
     la = [json.loads(x) for x in (a / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lc] == [1, 2, 3, 4]
     assert lc[2]["loss"] == pytest.approx(la[2]["loss"], rel=1e-2)  # bf16 moments: close, not exact
 
 
-def test_non_finite_loss_stops_with_message_and_keeps_checkpoint(tiny_dir, tmp_path, capsys):
+def test_non_finite_loss_stops_with_message_and_keeps_checkpoint(tiny_train_dir, tmp_path, capsys):
     """lr 1e30 blows the weights up after step 1: step 2's loss is not finite. The run stops with a
     clear message (exit 1), updates nothing, logs no NaN (strict JSON) and leaves checkpoint-1."""
     out = tmp_path / "nan"
-    code = main(_args(tiny_dir, out, "--max-steps", "4", "--save-every", "1", "--lr", "1e30", "--warmup", "0",
-                      "--mixed-precision", "no"))
+    code = main(train_args(tiny_train_dir, out, "--max-steps", "4", "--save-every", "1", "--lr", "1e30", "--warmup", "0",
+                            "--mixed-precision", "no"))
     err = capsys.readouterr().err
     assert code == 1 and "non-finite loss or gradient" in err and "checkpoint-1" in err, err[-2000:]
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]  # strict JSON parses
     assert [r["step"] for r in log] == [1]
     assert (out / "checkpoint-1").is_dir() and not (out / "checkpoint-2").exists() and not (out / "final").exists()
+
+
+# --------------------------------------------------------------- activated LoRA
+def test_cli_alora_checkpoint_saves_reloads_and_decodes(base_tokenizer, tmp_path):
+    tok = copy.deepcopy(base_tokenizer)
+    d = tmp_path / "tiny"
+    make_tiny(tok).save_pretrained(str(d))
+    tok.save_pretrained(str(d))
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Add {i} and {i}.", "response": f"{i} plus {i} is {2 * i}."}) + "\n"
+                            for i in range(8)))
+    out = tmp_path / "run"
+    assert main(["--base", str(d), "--data", str(data), "--output", str(out), "--adapter", "alora", "--lora-rank", "4",
+                 "--max-steps", "2", "--batch-size", "2", "--k-max", "4", "--seq-len", "40", "--lr", "1e-2",
+                 "--prompt-format", "bos_newlines",
+                 "--warmup", "0"]) == 0
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2] and all(r["loss"] > 0 for r in log)
+    mtp = load_checkpoint(str(out / "final"), device="cpu")
+    base = load_checkpoint(str(d), device="cpu")
+    assert mtp.adapter == "alora" and mtp.mtp_trained and mtp.prompt_format == "bos_newlines"
+    base.prompt_format = "bos_newlines"
+    ids = mtp.prompt_ids("Add 2 and 2.")
+    assert generate(mtp, "Add 2 and 2.", standard(), 12).token_ids == hf_generate(base, ids, 12)
+    dec = Decoder(mtp, ids, confadapt(0.5, 4), max_new_tokens=12)
+    recs = list(dec)
+    assert recs[0].fed_masks == 3 and len(recs[0].proposals) == 4 and dec.result().new_tokens >= 1
+
+
+@pytest.mark.integration
+def test_smollm2_alora_standard_is_base_and_blocks_start_with_base_greedy(smollm2, tmp_path):
+    """An aLoRA adapter (random, non-zero weights) on SmolLM2, saved and loaded with the engine's
+    loader: standard decoding == the base model's HF generate token for token; every ConfAdapt block
+    starts with the base model's greedy token."""
+    tok = copy.deepcopy(smollm2.tokenizer)
+    lm = wrap_model(copy.deepcopy(smollm2.model), tok, source="smollm2-135m")
+    cfg = TrainConfig(base="smollm2-135m", data="x", output=str(tmp_path), adapter="alora", lora_rank=4)
+    setup = load_for_training(cfg, torch.device("cpu"), lm=lm)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in setup.student.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    out = export_model(cfg, setup.lm, setup.student, tmp_path / "alora")
+    assert json.loads((out / "mtp_adapter.json").read_text())["adapter"] == "alora"
+    mtp = load_checkpoint(str(out), device="cpu")
+    assert mtp.adapter == "alora" and mtp.mask_token_id == smollm2.mask_token_id
+    assert (out / "adapter_model.safetensors").stat().st_size < 8_000_000  # no whole embedding matrix
+    n = 16
+    for q in ["What is 15 plus 27?"]:
+        ids = smollm2.prompt_ids(q)
+        want = hf_generate(smollm2, ids, n)
+        assert generate(mtp, q, standard(), n).token_ids == want
+        dec = Decoder(mtp, ids, confadapt(0.0, 4), max_new_tokens=n)  # tau 0: keep whole blocks of 4
+        recs = list(dec)
+        got = dec.result().token_ids
+        with torch.no_grad():
+            logits = smollm2.model(input_ids=torch.tensor([ids + got])).logits[0].float()
+        logits[:, smollm2.mask_token_id] = float("-inf")
+        greedy = logits.argmax(-1)
+        i = 0
+        for r in recs:
+            assert r.kept[0] == int(greedy[len(ids) + i - 1]), (r.index, r.kept)
+            i += len(r.kept)
+        assert any(r.accepted > 1 for r in recs)
+        assert got != want  # the adapter's mask proposals are not the base's continuation

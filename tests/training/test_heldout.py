@@ -1,4 +1,4 @@
-"""Held-out figures (model.heldout) on a tiny activated-LoRA model: the agreement set's counts and
+"""Held-out figures (model/training/heldout.py) on a tiny activated-LoRA model: the agreement set's counts and
 bounds, and ConfAdapt decoding's effective k at the extreme thresholds."""
 
 from __future__ import annotations

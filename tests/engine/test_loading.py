@@ -1,31 +1,15 @@
-"""Checkpoint loading: sources, mask token lookup/addition, adapters' mask rows, clear errors."""
+"""Loading a checkpoint (model/engine/loading.py): sources, mask token lookup/addition, clear errors,
+the embedded default (the SmolLM2 GGUF)."""
 
 from __future__ import annotations
-
-import copy
-import dataclasses
-import json
 
 import pytest
 import torch
 
-from model.engine.adapter_format import META_FILE, MTPMeta, read_meta, save_mtp_checkpoint
-from model.engine.loading import DEFAULT_MASK_TOKEN, find_mask_token, load_checkpoint, smollm2_gguf_path
-from model.errors import CheckpointError
 from model.engine.decoding import generate
+from model.engine.loading import DEFAULT_MASK_TOKEN, find_mask_token, load_checkpoint, smollm2_gguf_path
 from model.engine.strategies import confadapt, standard
-from tests.conftest import make_tiny
-
-
-@pytest.fixture
-def tiny_dir(tmp_path, base_tokenizer):
-    """A tiny Llama saved as a local HF model directory, with the real tokenizer (mask token included)."""
-    tok = copy.deepcopy(base_tokenizer)
-    model = make_tiny(tok)
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.save_pretrained(tmp_path / "tiny")
-    tok.save_pretrained(tmp_path / "tiny")
-    return tmp_path / "tiny"
+from model.errors import CheckpointError
 
 
 def test_local_dir_with_mask_token(tiny_dir):
@@ -57,32 +41,6 @@ def test_added_mask_row_is_mean_initialised_and_reproducible(tiny_dir):
     assert (ea[-1] - mean).norm() < (ea[:-1] - mean).norm(dim=-1).mean() * 2
 
 
-def test_full_model_round_trip_keeps_its_metadata(tiny_dir, tmp_path):
-    """The one writer (save_mtp_checkpoint) and the one reader (load_checkpoint) agree on a full model:
-    weights, mask row, prompt format and trained k_max come back."""
-    lm = load_checkpoint(str(tiny_dir), device="cpu")
-    with torch.no_grad():
-        lm.model.get_input_embeddings().weight[lm.mask_token_id] = 0.5
-    meta = MTPMeta(base=str(tiny_dir), adapter="full", mask_token=DEFAULT_MASK_TOKEN, prompt_format="bos_newlines",
-                   k_max=6)
-    out = save_mtp_checkpoint(tmp_path / "full", lm.model, meta, mask_token_id=lm.mask_token_id,
-                              tokenizer=lm.tokenizer, save_dtype=torch.float32)
-    assert read_meta(out) == meta
-    loaded = load_checkpoint(str(out), device="cpu")
-    assert loaded.mtp_trained and loaded.adapter is None
-    assert loaded.prompt_format == "bos_newlines" and loaded.trained_k_max == 6
-    row = loaded.model.get_input_embeddings().weight[loaded.mask_token_id]
-    assert torch.all(row == 0.5)
-    same_prompts = dataclasses.replace(lm, prompt_format="bos_newlines")
-    assert generate(loaded, "Hi", standard(), 6).token_ids == generate(same_prompts, "Hi", standard(), 6).token_ids
-
-
-def test_unknown_adapter_kind_is_refused(tmp_path):
-    (tmp_path / META_FILE).write_text(json.dumps({"base": "x", "adapter": "mask_only"}))
-    with pytest.raises(CheckpointError, match="unknown adapter kind 'mask_only'"):
-        load_checkpoint(str(tmp_path))
-
-
 @pytest.mark.parametrize(
     "source, message",
     [
@@ -109,12 +67,6 @@ def test_directory_without_config(tmp_path):
         load_checkpoint(str(tmp_path))
 
 
-def test_bad_adapter_metadata(tmp_path):
-    (tmp_path / META_FILE).write_text("{not json")
-    with pytest.raises(CheckpointError, match="Cannot read"):
-        load_checkpoint(str(tmp_path))
-
-
 def test_quantization_needs_cuda(tiny_dir):
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
@@ -129,6 +81,7 @@ def test_bad_dtype(tiny_dir):
         load_checkpoint(str(tiny_dir), dtype="float7")
 
 
+# ------------------------------------------- the embedded default (integration)
 @pytest.mark.integration
 def test_gguf_file_source_is_the_default_base(smollm2, tmp_path, monkeypatch):
     """A first load (empty cache: the GGUF is parsed and its dequantised copy written) gives the same
@@ -143,3 +96,12 @@ def test_gguf_file_source_is_the_default_base(smollm2, tmp_path, monkeypatch):
     assert lm.mask_token_id == 49152 == smollm2.mask_token_id
     assert lm.stop_token_ids == (2,)
     assert generate(lm, "What is 2+2?", standard(), 12).token_ids == generate(smollm2, "What is 2+2?", standard(), 12).token_ids
+
+
+@pytest.mark.integration
+def test_default_model_facts(smollm2):
+    assert smollm2.mask_token_id == 49152  # appended after the 49152-token vocabulary
+    assert smollm2.stop_token_ids == (2,)  # <|im_end|>
+    assert smollm2.prompt_format == "chat"
+    assert not smollm2.mtp_trained  # adapter=False: the untrained mask token is flagged
+    assert smollm2.warnings

@@ -1,17 +1,15 @@
-"""model.bench: tokens/s against HF generate on the plain base, the width curve, bandwidth, the CLI.
+"""Speed (model/evaluation/speed.py): tokens/s against HF generate on the plain base, the width curve,
+bandwidth.
 
 No timing assertions: speed is what the benchmark reports, not what the tests check."""
 
 from __future__ import annotations
 
 import copy
-import json
-
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from model.bench import main
 from model.evaluation.speed import (
     DEFAULT_DATA,
     DEFAULT_STRATEGIES,
@@ -115,45 +113,3 @@ def test_default_prompts_are_in_the_repository():
     problems = load_problems(DEFAULT_DATA, 3)
     assert len(problems) == 3 and all(p["question"] for p in problems)
     assert "verify" in DEFAULT_STRATEGIES and len(parse_strategies(DEFAULT_STRATEGIES)) >= 3
-
-
-@pytest.mark.parametrize("args", [["--repeats", "0"], ["--strategies", "fast"], ["--max-new-tokens", "-1"],
-                                  ["--widths", "1,x"], ["--widths", "0"], ["--prompts", "0"],
-                                  ["--data", "/no/such/file.jsonl"]])
-def test_bench_cli_bad_input(args, capsys):
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ")
-
-
-@pytest.mark.integration
-def test_bench_cli_on_smollm2(tmp_path, capsys):
-    data = tmp_path / "q.jsonl"
-    data.write_text(json.dumps({"question": "What is 3 + 4?", "answer": "3 + 4 = 7\n#### 7"}) + "\n")
-    out = tmp_path / "bench.json"
-    assert main(["--data", str(data), "--prompts", "1", "--repeats", "1", "--max-new-tokens", "4", "--widths", "1,2",
-                 "--width-repeats", "1", "--no-bandwidth", "--strategies", "standard,verify:2", "--threads", "1",
-                 "--json", str(out)]) == 0
-    rep = json.loads(out.read_text())
-    assert rep["config"]["prompts"] == 1 and rep["config"]["adapter"] == "alora"
-    assert [r["method"] for r in rep["methods"]] == [HF, "standard", "verify:2"]
-    assert rep["standard_matches_hf"] is True and rep["verify_matches_standard"] == {"verify:2": True}
-    assert rep["config"]["dtype"] in ("bfloat16", "float32")
-    text = capsys.readouterr().out
-    assert "HF generate, plain base" in text and "ours + adapter" in text
-
-
-def test_gpu_check_skips_cleanly_without_cuda():
-    """scripts/gpu_check.py (the engine's checks on a CUDA device) exits 0 with one line where there is
-    no CUDA device; its CPU dry run (``--device cpu``) is run by hand, see the script's docstring."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA device is present: run scripts/gpu_check.py itself")
-    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == ("gpu_check: no CUDA device here: skipped "
-                                  "(use --device cpu for a dry run on the CPU).")

@@ -1,4 +1,4 @@
-"""Self-distilled training text (model.self_answers): batched greedy answers equal unbatched ones,
+"""Self-distilled training text (model/training/self_answers.py): batched greedy answers equal unbatched ones,
 the file is resumable, the trainer reads it. Tiny random models over the real SmolLM2 tokenizer."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from model.training.data import Example, load_examples
 from tests.conftest import make_tiny
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 PROMPTS = ["Hi", "What is 2 plus 3?", "Name three colours of the rainbow, please, in order.", "Why?",
            "Write one short sentence about a cat that sleeps on a warm windowsill in the afternoon sun."]
@@ -174,25 +175,3 @@ def test_default_recipe_script_runs_tiny_and_resumes(tmp_path, tiny_model_dir):
     dry = subprocess.run(["bash", script], env={**env, "DRY_RUN": "1", "GPU": "1", "BATCH": "", "MINUTES": "90"},
                          capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0 and "--batch-size 64" in dry.stdout and "--max-minutes 90" in dry.stdout
-
-
-def test_cut_answers_get_no_eos(base_tokenizer, tmp_path):
-    """An answer cut at --max-new-tokens (stopped false) is trained without an EOS after it (the model
-    had not ended there); a finished one, and a reference swapped in by the mix, end with the EOS."""
-    from model.training.data import encode
-
-    tok = copy.deepcopy(base_tokenizer)
-    lm = wrap_model(make_tiny(tok), tok, source="tiny")
-    path = tmp_path / "a.jsonl"
-    rows = [{"index": 0, "prompt": "a?", "response": "cut here", "reference": "ref", "tokens": 2, "stopped": False,
-             "generated_by": "x"},
-            {"index": 1, "prompt": "b?", "response": "done.", "reference": "ref", "tokens": 2, "stopped": True,
-             "generated_by": "x"}]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    for examples in (load_examples(str(path)), as_examples(rows, path)):
-        assert [e.complete for e in examples] == [False, True]
-        seqs, _, _ = encode(lm, examples, 64)
-        eos = lm.stop_token_ids[0]
-        assert seqs[0][-1] != eos and seqs[1][-1] == eos
-        swapped = mix_reference(examples, 1.0, seed=0)
-        assert all(e.complete for e in swapped) and encode(lm, swapped, 64)[0][0][-1] == eos

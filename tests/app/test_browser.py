@@ -9,7 +9,6 @@ printed. Timing is never asserted.
 from __future__ import annotations
 
 import shutil
-import socket
 import time
 from pathlib import Path
 
@@ -17,10 +16,11 @@ import pytest
 
 from model.engine.decoding import generate
 from model.engine.strategies import confadapt, standard
+from tests.app.conftest import free_port
+from tests.conftest import ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
-ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -34,12 +34,6 @@ JS_FRAMES = """() => {
   return gd && gd._transitionData ? gd._transitionData._frames.length : -1;
 }"""
 JS_TEXTS = """(sel) => Array.from(document.querySelectorAll(sel)).map(e => e.textContent)"""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,272 @@
+"""The command-line tools (model/*.py): exit status, one ``error:`` line for bad input (before any
+model is loaded where possible), their output; scripts/gpu_check.py. Library behaviour is tested
+with its module (tests/engine, tests/training, tests/evaluation)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import model.bench as bench_cli
+import model.evaluate as evaluate_cli
+import model.train as train_cli
+from model.engine.decoding import Decoder, generate
+from model.engine.strategies import confadapt
+from model.evaluation.speed import HF
+from tests.conftest import (
+    ACCURACY_FIELDS,
+    GSM8K_PROBLEMS,
+    GSM8K_SAMPLE,
+    ROOT,
+    TASK_DIR,
+    make_tiny,
+    train_args,
+    write_jsonl,
+)
+
+
+# ----------------------------------------------------- python -m model.generate
+def run_generate(*args: str) -> subprocess.CompletedProcess:
+    """``python -m model.generate ARGS`` in this environment."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "model.generate", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.integration
+def test_cli_json(smollm2):
+    out = run_generate("--prompt", "What is 2+2?", "--strategy", "confadapt", "--tau", "0.9", "--k-max", "16",
+                       "--max-new-tokens", "16", "--json", "--no-adapter")
+    assert out.returncode == 0, out.stderr
+    obj = json.loads(out.stdout)
+    assert set(obj) >= {"text", "new_tokens", "forward_passes", "effective_k", "seconds", "passes"}
+    assert obj["new_tokens"] == sum(len(p["kept"]) for p in obj["passes"]) <= 16
+    assert obj["forward_passes"] == len(obj["passes"])
+    assert obj["passes"][0]["fed_masks"] == 15 and len(obj["passes"][0]["confidences"]) == 16
+    assert obj["text"] == generate(smollm2, "What is 2+2?", confadapt(0.9, 16), 16).text
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt", ""], "prompt is empty"),
+        (["--prompt", "hi", "--tau", "1.5"], "tau must be in"),
+        (["--prompt", "hi", "--k-max", "0"], "k_max must be"),
+        (["--prompt", "hi", "--strategy", "static", "--k", "5", "--k-max", "4"], "cannot exceed"),
+        (["--prompt", "hi", "--model", "no/such/model/path"], "No such local model"),
+        (["--prompt", "hi", "--model", "bogus source"], "Unknown model source"),
+        (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+        (["--prompt", "hi", "--strategy", "bogus"], "Unknown strategy 'bogus'"),
+        (["--prompt", "hi", "--device", "banana"], "Unknown device 'banana'"),
+        (["--prompt", "hi", "--strategy", "confadapt:1.5"], "tau must be in"),
+        (["--prompt", "hi", "--strategy", "static:abc"], "Bad strategy 'static:abc'"),
+        (["--prompt", "hi", "--strategy", "confadapt:0.9", "--k-max", "0"], "k_max must be"),
+    ],
+)
+def test_cli_bad_input(args, message, capsys):
+    """Bad arguments: exit 2 and one ``error:`` line, before any model is loaded."""
+    from model.generate import main
+
+    assert main(args) == 2  # in-process: the same entry point as `python -m model.generate`
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory, base_tokenizer):
+    """Two local model directories: a healthy tiny Llama and one whose output layer holds a NaN."""
+    root = tmp_path_factory.mktemp("safety")
+    tok = copy.deepcopy(base_tokenizer)
+    for name, poison in (("ok", False), ("nan", True)):
+        model = make_tiny(tok)
+        if poison:
+            with torch.no_grad():
+                model.model.norm.weight[0] = float("nan")
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    return root
+
+
+def run_generate_isolated(*args):
+    """``python -m model.generate ARGS`` in a minimal environment (one thread)."""
+    env = {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    return subprocess.run([sys.executable, "-m", "model.generate", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_overflow_exits_2_with_the_limit(tiny_dirs):
+    r = run_generate_isolated("--model", str(tiny_dirs / "ok"), "--prompt", "hi", "--max-new-tokens", "5000", "--json")
+    assert r.returncode == 2 and r.stdout == ""
+    assert "2048 (max_position_embeddings)" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_json_is_strict_on_a_nan_model(tiny_dirs):
+    r = run_generate_isolated("--model", str(tiny_dirs / "nan"), "--prompt", "hi", "--max-new-tokens", "4", "--json")
+    assert r.returncode == 1 and "NaN or infinite logits" in r.stderr
+    assert "NaN" not in r.stdout and "Traceback" not in r.stderr
+
+
+# -------------------------------------------------------- python -m model.train
+@pytest.mark.parametrize("content,line,reason", [
+    ('{"question": "a?", "answer": "b"}\n{"question": "c?"}\n', 2, "missing field 'answer'"),
+    ('{"question": "a?", "answer": "b"}\n{"text": "c"}\n', 2, "missing field 'question' or 'prompt'"),
+    ("", None, "no examples (the file is empty)"),
+    ('{"question": "a?", "answer": "b"}\n\n{"question": "c?", answer: 1}\n', 3, "not valid JSON"),
+    ('["question", "answer"]\n', 1, "expected a JSON object"),
+])
+def test_bad_data_stops_before_training(tiny_train_dir, tmp_path, capsys, content, line, reason):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(content)
+    out = tmp_path / "run"
+    code = train_cli.main(["--base", str(tiny_train_dir / "model"), "--data", str(bad), "--output", str(out), "--max-steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    where = f"{bad}:{line}:" if line else f"{bad}:"
+    assert where in err and reason in err, err
+    assert not (out / "train_log.jsonl").exists()  # no training step ran
+
+
+def test_bad_options_are_rejected(tiny_train_dir, tmp_path, capsys):
+    assert train_cli.main(train_args(tiny_train_dir, tmp_path / "r", "--k-max", "1")) == 2
+    assert "--k-max must be in [2, 64]" in capsys.readouterr().err
+    assert train_cli.main(train_args(tiny_train_dir, tmp_path / "r", "--adapter", "alora", "--lora-rank", "0")) == 2
+    assert "needs --lora-rank" in capsys.readouterr().err
+
+
+# ----------------------------------------------------- python -m model.evaluate
+def test_cli_bad_input_exits_2(tmp_path, capsys):
+    assert evaluate_cli.main(["--data", str(tmp_path / "none.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and err[0].endswith("none.jsonl: no such data file.")
+    d = write_jsonl(tmp_path / "d.jsonl", GSM8K_PROBLEMS)
+    assert evaluate_cli.main(["--data", str(d), "--strategies", "confadapt:2"]) == 2
+    assert "tau" in capsys.readouterr().err
+    assert evaluate_cli.main(["--data", str(d), "--out", str(tmp_path / "x.txt")]) == 2
+    assert ".json" in capsys.readouterr().err
+    assert evaluate_cli.main(["--data", str(d), "--max-new-tokens", "0"]) == 2
+    assert evaluate_cli.main(["--strategies", "standard"]) == 2
+    assert "--data is required" in capsys.readouterr().err
+    assert evaluate_cli.main(["--rescore", str(d)]) == 2  # a JSONL file is not a report
+    assert capsys.readouterr().err.startswith("error: cannot rescore")
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_cli_five_gsm8k_problems_default_model(tmp_path, capsys):
+    data = GSM8K_SAMPLE
+    out = tmp_path / "eval" / "smollm2.json"
+    threads = torch.get_num_threads()
+    try:
+        rc = evaluate_cli.main(["--data", str(data), "--limit", "5", "--max-new-tokens", "12", "--no-progress",
+                                 "--strategies", "standard,static:2,confadapt:0.9:4", "--threads", "1", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    assert rep["config"]["n_problems"] == 5 and rep["config"]["complete"] and rep["config"]["model"] == "smollm2-135m"
+    assert [r["strategy"] for r in rep["strategies"]] == ["standard", "static:2", "confadapt:0.9:4"]
+    for r in rep["strategies"]:
+        assert ACCURACY_FIELDS <= set(r) and r["n"] == 5 and 0.0 <= r["accuracy"] <= 1.0
+        assert r["nll_teacher"] > 0 and r["tokens_per_second"] > 0 and r["new_tokens"] > 0
+    by = {r["strategy"]: r for r in rep["strategies"]}
+    assert by["standard"]["effective_k_mean"] == 1.0 and by["standard"]["agreement_with_standard"] == 1.0
+    assert 1.0 <= by["confadapt:0.9:4"]["effective_k_mean"] <= 4.0
+    assert by["static:2"]["effective_k_mean"] == pytest.approx(2.0, abs=0.25)  # only a stop token cuts a block
+    if not rep["config"]["mtp_trained"]:
+        # an untrained mask token: static k=2's second tokens are poor guesses, worse under the teacher
+        assert by["static:2"]["nll_teacher"] > by["standard"]["nll_teacher"]
+    assert len(rep["problems"]) == 5 and all(set(p["results"]) == set(by) for p in rep["problems"])
+    assert Path(rep["figure"]["html"]).is_file()
+    assert rep["figure"]["png"] is None or Path(rep["figure"]["png"]).is_file()
+    assert "static k=2" in capsys.readouterr().out
+
+
+# -------------------------------------------------------- python -m model.bench
+@pytest.mark.parametrize("args", [["--repeats", "0"], ["--strategies", "fast"], ["--max-new-tokens", "-1"],
+                                  ["--widths", "1,x"], ["--widths", "0"], ["--prompts", "0"],
+                                  ["--data", "/no/such/file.jsonl"]])
+def test_bench_cli_bad_input(args, capsys):
+    assert bench_cli.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
+
+
+@pytest.mark.integration
+def test_bench_cli_on_smollm2(tmp_path, capsys):
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"question": "What is 3 + 4?", "answer": "3 + 4 = 7\n#### 7"}) + "\n")
+    out = tmp_path / "bench.json"
+    assert bench_cli.main(["--data", str(data), "--prompts", "1", "--repeats", "1", "--max-new-tokens", "4", "--widths", "1,2",
+                           "--width-repeats", "1", "--no-bandwidth", "--strategies", "standard,verify:2", "--threads", "1",
+                           "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["config"]["prompts"] == 1 and rep["config"]["adapter"] == "alora"
+    assert [r["method"] for r in rep["methods"]] == [HF, "standard", "verify:2"]
+    assert rep["standard_matches_hf"] is True and rep["verify_matches_standard"] == {"verify:2": True}
+    assert rep["config"]["dtype"] in ("bfloat16", "float32")
+    text = capsys.readouterr().out
+    assert "HF generate, plain base" in text and "ours + adapter" in text
+
+
+# -------------------------------------------------- python -m model.lm_eval_mtp
+@pytest.mark.integration
+@pytest.mark.slow
+def test_cli_lm_eval_mtp_on_local_task_default_model(tmp_path, smollm2):
+    """``python -m model.lm_eval_mtp --model mtp ...`` with the real SmolLM2 on tests/data/gsm8k_mini."""
+    stats = tmp_path / "stats.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "model.lm_eval_mtp", "--model", "mtp",
+           # dtype float32 explicitly: the check below decodes with the float32 smollm2 fixture
+           "--model_args", f"pretrained=smollm2-135m,tau=0.9,k_max=16,max_gen_toks=24,dtype=float32,"
+                           f"stats_file={stats}",
+           "--tasks", "gsm8k_mini", "--include_path", str(TASK_DIR), "--limit", "3",
+           "--output_path", str(tmp_path / "out"), "--log_samples"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "gsm8k_mini" in proc.stdout and "exact_match" in proc.stdout
+    assert "effective k" in proc.stderr
+    s = json.loads(stats.read_text())
+    assert s["requests"] == 3 and s["strategy"] == "confadapt:0.9:16" and s["effective_k"] >= 1.0
+    [results_file] = list((tmp_path / "out").rglob("results_*.json"))
+    acc = json.loads(results_file.read_text())["results"]["gsm8k_mini"]["exact_match,flexible-extract"]
+    [samples_file] = list((tmp_path / "out").rglob("samples_gsm8k_mini_*.jsonl"))
+    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    assert len(samples) == 3 and acc == pytest.approx(sum(x["exact_match"] for x in samples) / 3)
+    sample = samples[0]
+    # the harness's answer for the first problem is our ConfAdapt decoding of the same context, cut at a stop string
+    ctx, gen_kwargs = sample["arguments"]["gen_args_0"]["arg_0"], sample["arguments"]["gen_args_0"]["arg_1"]
+    assert gen_kwargs["max_gen_toks"] == 32  # the task's value wins over the model's default (24)
+    dec = Decoder(smollm2, smollm2.tokenizer(ctx, add_special_tokens=False)["input_ids"], confadapt(0.9, 16), 32)
+    text = ""
+    for rec in dec:
+        text += rec.text
+        if any(u in text for u in ("Question:", "\n\n", "<|im_end|>")):
+            break
+    text = dec.result().text
+    for u in ("Question:", "\n\n", "<|im_end|>"):
+        text = text.split(u, 1)[0]
+    assert sample["resps"][0][0] == text
+
+
+# --------------------------------------------------------- scripts/gpu_check.py
+def test_gpu_check_skips_cleanly_without_cuda():
+    """scripts/gpu_check.py (the engine's checks on a CUDA device) exits 0 with one line where there is
+    no CUDA device; its CPU dry run (``--device cpu``) is run by hand, see the script's docstring."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: run scripts/gpu_check.py itself")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ("gpu_check: no CUDA device here: skipped "
+                                  "(use --device cpu for a dry run on the CPU).")
