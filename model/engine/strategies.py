@@ -224,6 +224,12 @@ class Verify(Strategy):
             if self.blocks == (self.k_max - 1,):
                 object.__setattr__(self, "blocks", None)  # the linear layout, one spelling
 
+    @property
+    def lookahead(self) -> int:
+        """KV-cache entries a pass may hold past the tokens already emitted: ``k_max - 1`` drafts and a
+        block of ``k_max - 1`` masks per block (a windowed model must hold them all within its window)."""
+        return self.num_masks * (1 + (1 if self.blocks is None else len(self.blocks)))
+
     def mask_blocks(self, drafts: int) -> tuple[int, ...]:
         """The prefixes (numbers of accepted drafts) followed by a mask block in a pass that feeds
         ``drafts`` drafts: ``(0,)`` without drafts (the masks follow the pending token)."""
