@@ -25,6 +25,7 @@ from .engine.strategies import DEFAULT_K_MAX, SPEC_HELP, check_max_new_tokens, p
 from .errors import NonFiniteLogitsError
 from .evaluation.accuracy import DEFAULT_STRATEGIES, evaluate, format_table, rescore, write_figure
 from .evaluation.gsm8k import STEP_BY_STEP, load_problems
+from .evaluation.sweep import from_report, write_sweep
 
 OUT_DEFAULT = "runs/eval/eval.json"
 
@@ -43,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--step-by-step", action="store_true", help=f"append '{STEP_BY_STEP}' to each question")
     p.add_argument("--out", default=OUT_DEFAULT, help="JSON path; the figure goes next to it (.html, .png)")
+    p.add_argument("--sweep", default=None, metavar="SWEEP.json",
+                   help="also write the compact speed/quality sweep the app draws (e.g. beside an adapter: "
+                        "ADAPTER_DIR/sweep.json)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--no-adapter", action="store_true", help="smollm2-135m without the MTP adapter in assets/")
@@ -106,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                             torch_threads=torch.get_num_threads())
     fig_paths = write_figure(report, out)
     report["figure"] = fig_paths
+    if args.sweep:
+        print(f"wrote {write_sweep(from_report(report), args.sweep)}")
     out.write_text(json.dumps(report, indent=1, ensure_ascii=False, allow_nan=False))
     print(format_table(report))
     print(f"wrote {out}, {fig_paths['html']}" + (f", {fig_paths['png']}" if fig_paths["png"] else ""))

@@ -109,6 +109,8 @@ class LoadedModel:
         stop_strings: text that ends an answer (the output keeps it, as transformers' ``stop_strings``).
         context_limit: positions a generation may use at most, below ``max_position_embeddings``
             (a sliding-window model's window; :mod:`model.engine.guards`); None: no such limit.
+        checkpoint_dir: the MTP directory (adapter or full model) this was loaded from, a ``Path``; None
+            for a model without one. It may hold the checkpoint's measured sweep (``sweep.json``).
     """
 
     model: Any
@@ -125,6 +127,7 @@ class LoadedModel:
     fast: bool = True
     stop_strings: tuple[str, ...] = ()
     context_limit: int | None = None
+    checkpoint_dir: Any = None
     _token_bytes: Any = field(default=None, repr=False, compare=False)
     # Shared by dataclasses.replace() copies of this object (same model, same inference structures).
     _fast: "_FastState" = field(default_factory=lambda: _FastState(), repr=False, compare=False)

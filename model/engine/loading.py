@@ -512,4 +512,5 @@ def _finish(
         warnings=notes, device=device,
         trained_k_max=meta.k_max if meta is not None else (preset.k_max if preset is not None else None),
         stop_strings=preset.stop_strings if preset is not None else (), context_limit=context_limit,
+        checkpoint_dir=mtp_dir,
     )

@@ -178,7 +178,7 @@ def _report(lm: LoadedModel, strategies: list[Strategy], per_strategy: dict[str,
     has_adapter = lm.adapter is not None
     return {
         "config": {
-            "model": lm.source, "adapter": lm.adapter, "mtp_trained": lm.mtp_trained,
+            "model": lm.source, "adapter": lm.adapter, "mtp_trained": lm.mtp_trained, "dtype": lm.dtype_name,
             "prompt_format": lm.prompt_format, "device": str(lm.device), "max_new_tokens": max_new_tokens,
             "step_by_step": step_by_step, "n_problems": len(problem_rows),
             "n_requested": n_requested, "complete": len(problem_rows) == n_requested, "strategies": [s.spec for s in strategies],
