@@ -14,9 +14,9 @@ out ``--batch-size`` sequences per process with ``M`` MTP regions each
 Phases: :func:`prepare_run` (data, model, optimizer, resume), :func:`train_step` until ``--max-steps``
 or a time budget, :func:`save_checkpoint` / :func:`export_snapshot` along the way, :func:`finish`.
 Mixed precision ``auto`` is bf16 autocast wherever the device computes bf16 natively. DDP runs under
-``accelerate launch`` (tested with 2 CPU processes); FSDP is tested for full fine-tuning and refused
-for LoRA / aLoRA, whose teacher is the student with its adapter disabled (peft cannot switch an
-adapter off inside FSDP's sharded modules).
+``accelerate launch`` (tested with 2 CPU processes). FSDP is refused at start for LoRA / aLoRA, whose
+teacher is the student with its adapter disabled (peft cannot switch an adapter off inside FSDP's
+sharded modules), and on a CPU (accelerate's FSDP needs GPUs): :func:`check_fsdp`.
 
 Outputs in ``--output``: ``train_log.jsonl`` (one JSON object per step, plus ``event`` lines: the
 data, skipped batches, evaluations), ``checkpoint-STEP/`` (resumable: trainable weights, optimizer,
@@ -355,6 +355,25 @@ def build_optimizer(cfg: TrainConfig, student: Any) -> tuple[list, Any, Any]:
     return params, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def check_fsdp(cfg: TrainConfig, device: torch.device) -> None:
+    """Refuse, before anything loads, an FSDP launch (``accelerate launch --use_fsdp``) that cannot work:
+    LoRA / aLoRA (the teacher is the student with its adapter switched off, which peft cannot do inside
+    FSDP's sharded modules) and any run on a CPU (accelerate's FSDP needs GPUs).
+
+    Raises:
+        ValueError: saying what to launch instead.
+    """
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() not in ("1", "true", "yes"):
+        return
+    if cfg.kind != "full":
+        raise ValueError(f"FSDP trains full fine-tunes only: with --adapter {cfg.kind} the teacher is the student "
+                         "with its adapter switched off, which peft cannot do inside FSDP's sharded modules. Launch "
+                         "with DDP (accelerate launch --multi_gpu ...) or use --adapter full.")
+    if device.type == "cpu":
+        raise ValueError("FSDP needs GPUs (accelerate shards only over CUDA-like devices); on the CPU launch DDP "
+                         "instead: accelerate launch --multi_gpu --num_processes 2 -m model.train ...")
+
+
 def prepare_run(cfg: TrainConfig, lm: LoadedModel | None, examples: Sequence[Example] | None) -> Run:
     """Setup phase: read the data (before anything heavy), the accelerator and its precision, the
     model with its trainable parts, the training sequences, the optimizer, the held-out set, and the
@@ -370,18 +389,14 @@ def prepare_run(cfg: TrainConfig, lm: LoadedModel | None, examples: Sequence[Exa
         examples = load_examples(cfg.data, need_response=cfg.self_distill_answers <= 0, split=cfg.data_split,
                                  limit=cfg.max_examples)
     device = resolve_device(cfg.device)
+    check_fsdp(cfg, device)
     from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedType
 
     if AcceleratorState._shared_state:  # an earlier run in this process (tests): its precision may differ
         AcceleratorState._reset_state()
     # cpu=True also makes a torchrun-style launch (LOCAL_RANK set) use gloo on a machine without CUDA.
     accelerator = Accelerator(mixed_precision=resolve_mixed_precision(cfg, device), step_scheduler_with_optimizer=False,
                               cpu=device.type == "cpu")
-    if accelerator.distributed_type == DistributedType.FSDP and cfg.kind != "full":
-        raise ValueError(f"FSDP trains full fine-tunes only: with --adapter {cfg.kind} the teacher is the student "
-                         "with its adapter switched off, which peft cannot do inside FSDP's sharded modules. Launch "
-                         "with DDP (accelerate launch --multi_gpu ...) or use --adapter full.")
     set_seed(cfg.seed)
     setup = load_for_training(cfg, accelerator.device, lm)
     if accelerator.is_main_process:
