@@ -133,6 +133,63 @@ def test_bad_data_stops_before_training(tiny_train_dir, tmp_path, capsys, conten
     assert not (out / "train_log.jsonl").exists()  # no training step ran
 
 
+def test_undecodable_and_malformed_files_name_file_line_and_column(tiny_train_dir, tmp_path, capsys):
+    """A binary file and a row missing its closing brace stop the run with file:line:column (the column of
+    the problem in the line as written, not counting its newline)."""
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(b'{"question": "a?", "answer": "b"}\n' + bytes([0x50, 0x4b, 0x8c, 0x00, 0xff]) * 20)
+    row = '{"question": "What is 2+2?", "answer": "2 plus 2 is 4 #### 4"'  # no closing brace: at the line's end
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(row + "\n")
+    for path, where, why in ((binary, f"{binary}:2:3:", "not UTF-8 text (byte 0x8c)"),
+                             (broken, f"{broken}:1:{len(row) + 1}:", "not valid JSON")):
+        code = train_cli.main(["--base", str(tiny_train_dir / "model"), "--data", str(path), "--output",
+                               str(tmp_path / "run"), "--max-steps", "1"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith(f"error: {where}") and why in err[0], err
+
+
+@pytest.mark.parametrize("device, why", [("banana", "Unknown device 'banana'"), ("cuda", "cannot run here"),
+                                         ("cuda:7", "cannot run here")])
+def test_every_cli_refuses_a_device_it_cannot_run(tiny_train_dir, tmp_path, capsys, device, why):
+    """``--device`` values that cannot run give one ``error:`` line and exit 2, in every CLI that takes one."""
+    if torch.cuda.is_available() and device != "banana":
+        pytest.skip("this machine has CUDA")
+    import model.generate as generate_cli
+    import model.self_answers as self_answers_cli
+
+    data = str(tiny_train_dir / "data.jsonl")
+    model_dir = str(tiny_train_dir / "model")
+    calls = [
+        (generate_cli.main, ["--model", model_dir, "--prompt", "hi", "--device", device]),
+        (train_cli.main, train_args(tiny_train_dir, tmp_path / "t", "--device", device)),
+        (evaluate_cli.main, ["--model", model_dir, "--data", str(GSM8K_SAMPLE), "--device", device,
+                             "--out", str(tmp_path / "e.json")]),
+        (bench_cli.main, ["--model", model_dir, "--device", device]),
+        (self_answers_cli.main, ["--base", model_dir, "--data", data, "--out", str(tmp_path / "a.jsonl"),
+                                 "--device", device]),
+    ]
+    for main, argv in calls:
+        assert main(argv) == 2, main.__module__
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and why in err[0], (main.__module__, err)
+
+
+def test_fsdp_launch_is_refused_before_loading(tiny_train_dir, tmp_path, capsys, monkeypatch):
+    """Under ``accelerate launch --use_fsdp`` (it sets ACCELERATE_USE_FSDP): LoRA / aLoRA are refused (the
+    teacher is the student with its adapter off, which peft cannot do in sharded modules), and so is any
+    run on a CPU (accelerate shards over GPUs only)."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    for kind, why in ((["--adapter", "alora"], "FSDP trains full fine-tunes only"),
+                      (["--lora-rank", "4"], "FSDP trains full fine-tunes only"),
+                      (["--lora-rank", "0"], "FSDP needs GPUs")):
+        out = tmp_path / f"fsdp{len(kind)}{kind[-1]}"
+        assert train_cli.main(train_args(tiny_train_dir, out, "--max-steps", "1", *kind)) == 2
+        err = capsys.readouterr().err
+        assert why in err and "Traceback" not in err
+        assert not out.exists() or not any(out.iterdir())  # nothing loaded, nothing written
+
+
 def test_bad_options_are_rejected(tiny_train_dir, tmp_path, capsys):
     assert train_cli.main(train_args(tiny_train_dir, tmp_path / "r", "--k-max", "1")) == 2
     assert "--k-max must be in [2, 64]" in capsys.readouterr().err

@@ -22,7 +22,8 @@ from model.engine.strategies import confadapt, standard
 from model.train import main
 from model.training.config import TrainConfig
 from model.training.trainer import export_model, load_for_training
-from tests.conftest import ROOT, make_tiny, mtp_run, pretrained_teacher, train_args
+from model.errors import CheckpointError
+from tests.conftest import GSM8K_SAMPLE, ROOT, make_tiny, mtp_run, pretrained_teacher, train_args
 
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT),
@@ -279,3 +280,93 @@ def test_smollm2_alora_standard_is_base_and_blocks_start_with_base_greedy(smollm
             i += len(r.kept)
         assert any(r.accepted > 1 for r in recs)
         assert got != want  # the adapter's mask proposals are not the base's continuation
+
+
+# ------------------------------------------------------------------ data a run can meet
+@pytest.mark.parametrize("position", ["first", "second"])
+def test_a_one_token_answer_never_ends_the_run(tiny_train_dir, tmp_path, position):
+    """A row whose answer is one token ("4") holds an MTP region at every grid offset (the offset wraps
+    within a short answer), so a batch is never empty: batch size 1, k_max 4, the row first or second."""
+    short = {"question": "What is 2+2?", "answer": "4"}
+    other = {"question": "What is 3 plus 4?", "answer": "3 plus 4 is 7.\n#### 7"}
+    rows = [short, other] if position == "first" else [other, short]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    assert main(["--base", str(tiny_train_dir / "model"), "--data", str(data), "--output", str(out), "--batch-size", "1",
+                 "--seq-len", "64", "--k-max", "4", "--max-steps", "8", "--lr", "1e-3", "--warmup", "1"]) == 0
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 9)) and all("loss" in r for r in log)
+    assert (out / "final" / "mtp_adapter.json").is_file()
+
+
+def test_rows_with_no_room_are_skipped_and_counted(tiny_train_dir, tmp_path, capsys):
+    """The first 16 GSM8K problems with --seq-len 96 --batch-size 2 --k-max 8 --lora-rank 4: the rows whose
+    prompt fills the sequence are skipped (named with file:line, counted on stderr and in the log) and the
+    run trains on the rest."""
+    out = tmp_path / "run"
+    data = tmp_path / "gsm8k16.jsonl"
+    data.write_text("".join(GSM8K_SAMPLE.read_text().splitlines(keepends=True)[:16]))
+    assert main(["--base", str(tiny_train_dir / "model"), "--data", str(data), "--output", str(out), "--batch-size", "2",
+                 "--seq-len", "96", "--k-max", "8", "--lora-rank", "4", "--max-steps", "4", "--warmup", "1"]) == 0
+    err = capsys.readouterr().err
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    event = log[0]
+    assert event["event"] == "data" and event["skipped"] >= 1 and event["sequences"] + event["skipped"] == 16
+    assert all(row.startswith(f"{data}:") and "no room for an answer token" in row for row in event["skipped_rows"])
+    assert f"note: {event['skipped']} of 16 examples skipped" in err
+    assert [r["step"] for r in log[1:]] == [1, 2, 3, 4]
+
+
+def test_growing_an_adapter_keeps_what_it_computes(base_tokenizer, tmp_path):
+    """--init-adapter with a larger --lora-rank: new A rows random, new B columns zero, alpha scaled with the
+    rank: the grown adapter computes what the saved one did (float64), and has more to train."""
+    tok = copy.deepcopy(base_tokenizer)
+    d = tmp_path / "base"
+    make_tiny(tok, dtype=torch.float64).save_pretrained(d)
+    tok.save_pretrained(d)
+    cfg = TrainConfig(base=str(d), data="x", output=str(tmp_path / "a"), adapter="alora", lora_rank=4,
+                      save_dtype="float32")
+    setup = load_for_training(cfg, torch.device("cpu"))
+    with torch.no_grad():
+        for n, p in setup.student.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    setup.student.eval()
+    export_model(cfg, setup.lm, setup.student, tmp_path / "r4")
+    grown = load_for_training(TrainConfig(base=str(d), data="x", adapter="alora", init_adapter=str(tmp_path / "r4"),
+                                          lora_rank=12), torch.device("cpu"))
+    same = load_for_training(TrainConfig(base=str(d), data="x", adapter="alora", init_adapter=str(tmp_path / "r4")),
+                             torch.device("cpu"))
+    assert grown.student.peft_config["default"].r == 12 and same.student.peft_config["default"].r == 4
+    ids = torch.tensor([setup.lm.prompt_ids("Hello there") + [setup.lm.mask_token_id] * 3])
+    with torch.no_grad():
+        a = grown.student.eval()(input_ids=ids, alora_offsets=[3]).logits
+        b = same.student.eval()(input_ids=ids, alora_offsets=[3]).logits
+    torch.testing.assert_close(a, b, atol=1e-9, rtol=0)
+    assert not torch.allclose(a, setup.lm.model.get_base_model()(input_ids=ids).logits)  # the adapter acts
+    n = lambda m: sum(p.numel() for p in m.parameters() if p.requires_grad)  # noqa: E731
+    assert n(grown.student) > n(same.student)
+    with pytest.raises(CheckpointError, match="grow, not shrink"):
+        load_for_training(TrainConfig(base=str(d), data="x", adapter="alora", init_adapter=str(tmp_path / "r4"),
+                                      lora_rank=2), torch.device("cpu"))
+
+
+def test_cosine_schedule_decays_to_a_tenth():
+    from model.training.trainer import build_optimizer
+
+    cfg = TrainConfig(data="x", lr=1.0, warmup=2, max_steps=12, lr_schedule="cosine")
+    _, opt, sched = build_optimizer(cfg, torch.nn.Linear(2, 2))
+    lrs = []
+    for _ in range(12):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] < lrs[1] < lrs[2] == pytest.approx(1.0)  # warm-up, then the peak
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:])) and lrs[-1] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.9)))
+    const = TrainConfig(data="x", lr=1.0, warmup=2, max_steps=12)
+    _, opt, sched = build_optimizer(const, torch.nn.Linear(2, 2))
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1.0)
