@@ -10,8 +10,9 @@ Checks, on the embedded default (SmolLM2-135M-Instruct + the shipped aLoRA adapt
    (real rows and mask rows: largest difference, argmax agreement), and the two KV caches;
 2. standard decoding with the adapter loaded == HF ``generate`` on the plain base, token for token
    (3 prompts x 64 new tokens);
-3. lossless ``verify`` == standard decoding (same prompts; in bf16 a near-tie may part them, see
-   docs/DESIGN.md), and after each run the KV cache == a fresh prefill of the kept tokens;
+3. lossless ``verify`` == standard decoding, in the linear layout and as a full tree of mask blocks
+   (same prompts; in bf16 a near-tie may part them, see docs/DESIGN.md), and after each run the KV
+   cache == a fresh prefill of the kept tokens; the width curve and the layout it would choose;
 4. ``model.bench`` (tokens/s against HF ``generate``, the width curve, bandwidth achieved against measured);
 5. one app turn through ``app.runner`` (standard and ConfAdapt side by side, effective k, speedup).
 
@@ -93,14 +94,17 @@ def check_standard_and_verify(lm, new_tokens: int) -> bool:
         ok &= report(f"standard == HF generate, prompt {i + 1}", std.token_ids == ref,
                      f"{len(std.token_ids)} tokens" + ("" if std.token_ids == ref else
                                                       f", first difference at token {_first_diff(std.token_ids, ref)}"))
-        dec = Decoder(lm, ids, verify(lm.default_k_max), new_tokens)
-        for _ in dec:
-            pass
-        out = dec.result()
-        same = out.token_ids == std.token_ids
-        where = "" if same else f", parts at token {_first_diff(out.token_ids, std.token_ids)} (bf16 near-tie?)"
-        report(f"verify == standard, prompt {i + 1}", same, f"effective k {out.effective_k:.2f}{where}")
-        ok &= same or lm.dtype != torch.float32
+        for layout in ("linear", "full"):
+            dec = Decoder(lm, ids, verify(lm.default_k_max, layout), new_tokens)
+            for _ in dec:
+                pass
+            out = dec.result()
+            same = out.token_ids == std.token_ids
+            where = "" if same else f", parts at token {_first_diff(out.token_ids, std.token_ids)} (bf16 near-tie?)"
+            report(f"verify ({layout}) == standard, prompt {i + 1}", same,
+                   f"mean acceptance length {out.mean_acceptance_length:.2f}, acceptance by position "
+                   f"{[round(x, 2) for x in out.acceptance_by_position if x is not None]}{where}")
+            ok &= same or lm.dtype != torch.float32
         with torch.inference_mode(), lm.base_model():
             fresh = lm.model(torch.tensor([dec.cached_ids], device=lm.device), use_cache=True).past_key_values
         diff = max(float((x.keys.float() - y.keys.float()).abs().max())
@@ -153,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_check on {name}: {lm.dtype_name}, {lm.forward_path}; loaded in {time.perf_counter() - t0:.1f} s")
     ok = check_paths(lm)
     ok &= check_standard_and_verify(lm, args.new_tokens)
+    from model.engine.width import choose_verify_layout, conditional_acceptance, pass_costs
+
+    costs = pass_costs(lm, widths=(1, 2, 4, 8, 16, 32))
+    k, blocks, gain = choose_verify_layout(costs, conditional_acceptance([0.67, 0.42, 0.22]), 8)
+    print(f"width curve (ms by tokens fed): {({w: round(1e3 * c, 2) for w, c in costs.items()})}; with acceptance "
+          f"0.67 / 0.42 / 0.22 the fastest lossless setting is k_max {k}, blocks {blocks or 'linear'} "
+          f"({gain:.2f}x standard decoding)", flush=True)
     if not args.no_bench:
         from model import bench
 
