@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per pass for the width curve ('' to skip it)")
     p.add_argument("--width-repeats", type=int, default=15)
     p.add_argument("--no-bandwidth", action="store_true", help="skip the 1 GiB bandwidth measurement")
+    p.add_argument("--no-llama-cpp", action="store_true",
+                   help="skip the llama.cpp baseline (run only when llama-cpp-python is installed)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--path", choices=["auto", "library"], default="auto",
@@ -82,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     for note in lm.warnings:
         print(f"note: {note}", file=sys.stderr)
     report = bench(lm, prompts, strategies, repeats=args.repeats, max_new_tokens=args.max_new_tokens,
-                   widths=widths, width_repeats=args.width_repeats, measure_bandwidth=not args.no_bandwidth)
+                   widths=widths, width_repeats=args.width_repeats, measure_bandwidth=not args.no_bandwidth,
+                   llama_cpp=not args.no_llama_cpp)
     print(format_table(report))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -4,8 +4,9 @@
 alternating, medians over repeats:
 
 1. **Tokens per second** of HF ``generate`` (greedy) on the *plain base model* — what a user would run:
-   the base without any peft wrapper, in the same dtype — and of each strategy of ours (the loaded
-   model, MTP adapter included). Each repeat runs every prompt with every method, the order of
+   the base without any peft wrapper, in the same dtype —, of llama.cpp's greedy decoding of the same
+   weights when llama-cpp-python is installed (:mod:`model.evaluation.llama_cpp`: the fastest plain
+   decoder on a CPU), and of each strategy of ours (the loaded model, MTP adapter included). Each repeat runs every prompt with every method, the order of
    methods rotating from one repeat to the next; each generation is timed on its own, wall-clock,
    device synchronised, Python overhead included. A method's speed in one repeat is its generated
    tokens over its seconds summed over the prompts; the table shows the median over repeats and
@@ -13,8 +14,9 @@ alternating, medians over repeats:
    One untimed warm-up generation per method comes first.
 2. **Width curve**: milliseconds per forward pass over a cached prompt, by tokens fed (1, 2, 4, 8, 16):
    transformers' forward of the plain base (T real tokens), ours on the base weights (T real
-   tokens: a prefill / verify-like pass) and ours with the adapter (1 real token + T-1 mask tokens:
-   an MTP pass), each with its ratio to our 1-token base pass.
+   tokens: a prefill / verify-like pass), ours with the adapter (1 real token + T-1 mask tokens:
+   an MTP pass) and llama.cpp's call over T tokens (all logits), each with its ratio to our 1-token
+   base pass.
 3. **Bandwidth**: the weight bytes a 1-token pass reads (every parameter once; an untied input
    embedding is not read whole) over the time of that pass, beside the device's measured read
    bandwidth (CPU: the sum of a 1 GiB tensor; CUDA: a 1 GiB device copy, read + write).
@@ -115,7 +117,34 @@ def plain_base(lm: LoadedModel) -> LoadedModel:
     return dataclasses.replace(lm, model=base, adapter=None)
 
 
-def run_one(lm: LoadedModel, method: str, strategy: Any, prompt_ids: list[int], max_new_tokens: int) -> dict:
+LLAMA = "llama_cpp"
+
+
+def llama_cpp_baseline(lm: LoadedModel, threads: int) -> tuple[Any, str | None]:
+    """``(LlamaCpp, None)`` for the embedded default or a GGUF source when llama-cpp-python is installed;
+    ``(None, why not)`` otherwise (:mod:`model.evaluation.llama_cpp`)."""
+    from . import llama_cpp as lc
+
+    why = lc.available()
+    if why is not None:
+        return None, why
+    from ..engine.loading import DEFAULT_SOURCE, smollm2_gguf_path
+
+    if lm.source == DEFAULT_SOURCE:
+        source = smollm2_gguf_path()
+    elif str(lm.source).endswith(".gguf"):
+        source = Path(lm.source)
+    else:
+        return None, ("llama.cpp baseline skipped: it needs a GGUF of the same weights (the embedded default or a "
+                      ".gguf source)")
+    try:
+        return lc.LlamaCpp(lc.bf16_gguf(source), threads=threads), None
+    except Exception as e:  # noqa: BLE001 - a broken build must not stop the bench
+        return None, f"llama.cpp baseline skipped: {type(e).__name__}: {e}"
+
+
+def run_one(lm: LoadedModel, method: str, strategy: Any, prompt_ids: list[int], max_new_tokens: int,
+            llama: Any = None) -> dict:
     """One timed generation. Returns ``{"tokens", "forward_passes", "seconds", "token_ids"}``.
 
     ``seconds`` is wall-clock for the whole generation (device synchronised before and after).
@@ -124,10 +153,13 @@ def run_one(lm: LoadedModel, method: str, strategy: Any, prompt_ids: list[int], 
     dev = lm.device
     _sync(dev)
     t0 = time.perf_counter()
+    drafts: list[list[int]] = []
     if method == HF:
         ids = hf_generate(lm, prompt_ids, max_new_tokens)
         passes = len(ids)
-        drafts: list[list[int]] = []
+    elif method == LLAMA:
+        ids = llama.generate(prompt_ids, max_new_tokens, lm.stop_token_ids)
+        passes = len(ids)
     else:
         res = run(lm, prompt_ids, strategy, max_new_tokens)
         ids, passes = res.token_ids, res.forward_passes
@@ -207,6 +239,7 @@ def bench(
     width_repeats: int = 15,
     measure_bandwidth: bool = True,
     plain: LoadedModel | None = None,
+    llama_cpp: bool = True,
 ) -> dict:
     """Time HF ``generate`` on the plain base and each strategy, then the width curve and bandwidth.
 
@@ -222,6 +255,8 @@ def bench(
         width_repeats: timed passes per width and method (median).
         measure_bandwidth: measure the device's memory bandwidth (1 GiB).
         plain: the plain base for HF ``generate`` (default :func:`plain_base` of ``lm``).
+        llama_cpp: add llama.cpp greedy decoding of the same weights as a second baseline, and its width
+            curve, when llama-cpp-python is installed (:func:`llama_cpp_baseline`).
 
     Returns:
         ``{"config", "methods": [{"method", "label", "tokens_per_second" (median), "runs",
@@ -243,10 +278,13 @@ def bench(
     plain = plain if plain is not None else plain_base(lm)
     runners = {HF: plain}
     methods: list[tuple[str, Any]] = [(HF, None)] + [(s.spec, s) for s in strategies]
+    llama, llama_note = llama_cpp_baseline(lm, torch.get_num_threads()) if llama_cpp else (None, None)
+    if llama is not None:
+        methods.insert(1, (LLAMA, None))
     prompt_ids = [lm.prompt_ids(p) for p in prompts]
     if warmup:
         for name, s in methods:
-            run_one(runners.get(name, lm), name, s, prompt_ids[0], min(max_new_tokens, 8))
+            run_one(runners.get(name, lm), name, s, prompt_ids[0], min(max_new_tokens, 8), llama)
     per: dict[str, list[dict]] = {name: [] for name, _ in methods}
     outputs: dict[str, list[list[int]]] = {name: [] for name, _ in methods}
     drafts: dict[str, list[list[int]]] = {name: [] for name, _ in methods}
@@ -255,7 +293,7 @@ def bench(
         totals = {name: {"tokens": 0, "forward_passes": 0, "seconds": 0.0} for name, _ in methods}
         for ids in prompt_ids:
             for name, s in order:
-                res = run_one(runners.get(name, lm), name, s, ids, max_new_tokens)
+                res = run_one(runners.get(name, lm), name, s, ids, max_new_tokens, llama)
                 for key in ("tokens", "forward_passes", "seconds"):
                     totals[name][key] += res[key]
                 if r == 0:
@@ -270,7 +308,8 @@ def bench(
         tps = [t["tokens"] / t["seconds"] if t["seconds"] > 0 else 0.0 for t in runs]
         pps = [t["forward_passes"] / t["seconds"] if t["seconds"] > 0 else 0.0 for t in runs]
         rows.append({
-            "method": name, "label": "HF generate, plain base" if s is None else s.label,
+            "method": name, "label": s.label if s is not None else (
+                "HF generate, plain base" if name == HF else "llama.cpp greedy, BF16 GGUF"),
             "tokens_per_second": statistics.median(tps), "runs": tps,
             "forward_passes_per_second": statistics.median(pps),
             "tokens": runs[0]["tokens"], "forward_passes": runs[0]["forward_passes"],
@@ -284,6 +323,17 @@ def bench(
     verify_specs = [s.spec for s in strategies if s.verifies]
 
     width = width_curve(lm, plain, widths, width_repeats) if widths else None
+    if width is not None and llama is not None:
+        from .llama_cpp import LlamaCpp
+
+        wide = LlamaCpp(llama.gguf, threads=torch.get_num_threads(), all_logits=True)
+        ms = wide.pass_ms(lm.prompt_ids(WIDTH_PROMPT), width["widths"], width_repeats)
+        wide.close()
+        ref = next((r["ms"][0] for r in width["rows"] if r["name"] == "ours_base"), None)
+        width["rows"].append({"name": LLAMA, "label": "llama.cpp, BF16 GGUF (T real tokens)", "ms": ms,
+                              "ratio": [v / ref for v in ms] if ref and width["widths"][0] == 1 else None})
+    if llama is not None:
+        llama.close()
     bandwidth = None
     nbytes = pass_bytes(plain.model)
     if measure_bandwidth:
@@ -305,10 +355,23 @@ def bench(
                    "load_average_after": _loadavg()},
         "methods": rows,
         "standard_matches_hf": (std == outputs[HF]) if std is not None else None,
+        "llama_cpp": {"gguf": str(llama.gguf), "tokens_equal_to_standard": _share_equal(outputs[LLAMA], std)}
+        if llama is not None else {"note": llama_note},
         "verify_matches_standard": {v: outputs[v] == std for v in verify_specs} if std is not None else {},
         "width": width,
         "bandwidth": bandwidth,
     }
+
+
+def _share_equal(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]] | None) -> float | None:
+    """Share of positions where two lists of generations hold the same token (None without ``b``)."""
+    if b is None:
+        return None
+    same = total = 0
+    for x, y in zip(a, b):
+        same += sum(p == q for p, q in zip(x, y))
+        total += max(len(x), len(y))
+    return same / total if total else None
 
 
 def _loadavg() -> list[float] | None:
@@ -344,6 +407,12 @@ def format_table(report: dict) -> str:
     lines.append(f"baseline: {c['hf_baseline']}; weights {c['weight_bytes'] / 1e6:.0f} MB")
     if report["standard_matches_hf"] is not None:
         lines.append(f"standard output == HF generate output: {report['standard_matches_hf']}")
+    lc = report.get("llama_cpp") or {}
+    if lc.get("note"):
+        lines.append(lc["note"])
+    elif lc.get("tokens_equal_to_standard") is not None:
+        lines.append(f"llama.cpp ({Path(lc['gguf']).name}) greedy tokens equal to our standard decoding's: "
+                     f"{lc['tokens_equal_to_standard']:.1%} of positions")
     for spec, same in report.get("verify_matches_standard", {}).items():
         lines.append(f"{spec} output == standard output (lossless): {same}")
     lines.append("new tokens: generated in one repeat over all prompts; a method that hits a stop token early "

@@ -113,3 +113,43 @@ def test_default_prompts_are_in_the_repository():
     problems = load_problems(DEFAULT_DATA, 3)
     assert len(problems) == 3 and all(p["question"] for p in problems)
     assert "verify" in DEFAULT_STRATEGIES and len(parse_strategies(DEFAULT_STRATEGIES)) >= 3
+
+
+# ------------------------------------------------------------------ llama.cpp as the second baseline
+def test_llama_cpp_baseline_says_why_it_is_skipped(tiny_lm):
+    """Without llama-cpp-python (CI installs nothing optional) or without a GGUF of the same weights (a tiny
+    model in memory), the bench says so in one line and runs the rest."""
+    from model.evaluation import llama_cpp
+
+    rep = bench(tiny_lm, ["Hi"], "standard", repeats=1, max_new_tokens=3, widths=(1,), width_repeats=1,
+                measure_bandwidth=False)
+    note = rep["llama_cpp"]["note"]
+    assert note.startswith("llama.cpp baseline skipped: ")
+    assert ("not installed" in note) == (llama_cpp.available() is not None)
+    assert [r["method"] for r in rep["methods"]] == [HF, "standard"]
+    assert note in format_table(rep)
+    rep = bench(tiny_lm, ["Hi"], "standard", repeats=1, max_new_tokens=3, widths=(), measure_bandwidth=False,
+                llama_cpp=False)
+    assert rep["llama_cpp"] == {"note": None}
+
+
+@pytest.mark.integration
+def test_llama_cpp_greedy_equals_ours_on_the_default_model(smollm2):
+    """Where llama-cpp-python is installed: llama.cpp's greedy decoding of a BF16 GGUF of the same weights
+    (written from the packaged file by llama.cpp itself) gives the tokens of our standard decoding."""
+    from model.engine.decoding import run
+    from model.engine.loading import smollm2_gguf_path
+    from model.engine.strategies import standard
+    from model.evaluation import llama_cpp
+
+    if llama_cpp.available() is not None:
+        pytest.skip(llama_cpp.available())
+    ll = llama_cpp.LlamaCpp(llama_cpp.bf16_gguf(smollm2_gguf_path()))
+    try:
+        ids = smollm2.prompt_ids("What is 3 plus 4?")
+        ours = run(smollm2, ids, standard(), 12).token_ids
+        theirs = ll.generate(ids, 12, smollm2.stop_token_ids)
+        assert sum(a == b for a, b in zip(ours, theirs)) >= 8  # bf16 weights against float32: near-ties may part
+        assert len(ll.pass_ms(ids, (1, 4), repeats=1)) == 2
+    finally:
+        ll.close()
