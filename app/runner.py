@@ -34,6 +34,7 @@ import statistics
 import tempfile
 import threading
 import time
+import unicodedata
 import uuid
 from collections import OrderedDict
 from pathlib import Path
@@ -43,8 +44,19 @@ from typing import Any, Callable, Iterator, Sequence
 from model.engine.decoding import Decoder, GenerationResult, PassRecord
 from model.engine.loaded_model import LoadedModel
 from model.engine.loading import DEFAULT_SOURCE, load_checkpoint
-from model.engine.strategies import DEFAULT_TAU, Strategy, check_max_new_tokens, resolve_strategy, standard
+from model.engine.scoring import teacher_nll
+from model.engine.strategies import (
+    DEFAULT_TAU,
+    Strategy,
+    Verify,
+    check_max_new_tokens,
+    resolve_strategy,
+    standard,
+    verify_layout,
+)
 from model.errors import CheckpointError, NonFiniteLogitsError, RequestError
+
+from .device import SHAPE_CHOICES, LosslessShape, ModelFacts
 
 log = logging.getLogger(__name__)
 
@@ -83,14 +95,21 @@ def exclusive(lock: threading.Lock = FORWARD_LOCK) -> contextlib.AbstractContext
 
 
 # ---------------------------------------------------------------------------- validation
+def is_blank(text: str) -> bool:
+    """True when ``text`` shows nothing: only whitespace, format characters (Unicode category Cf: zero-width
+    space / joiners, direction marks, BOM, ...) and control characters."""
+    return all(c.isspace() or unicodedata.category(c) in ("Cf", "Cc") for c in text)
+
+
 def check_message(message: Any) -> str:
     """The user's message as text.
 
     Raises:
-        RequestError: empty (or whitespace only), or longer than :data:`MAX_MESSAGE_CHARS`.
+        RequestError: empty (nothing but whitespace and invisible characters, see :func:`is_blank`), or
+            longer than :data:`MAX_MESSAGE_CHARS`.
     """
     text = "" if message is None else str(message)
-    if not text.strip():
+    if is_blank(text):
         raise RequestError("The message is empty: type a question first.")
     if len(text) > MAX_MESSAGE_CHARS:
         raise RequestError(f"The message is {len(text):,} characters long; this demo accepts at most "
@@ -168,6 +187,8 @@ def app_strategy(choice: Any, tau: Any = DEFAULT_TAU, k_max: Any = None, k: Any 
         raise RequestError(f"Unknown strategy {choice!r}: choose {', '.join(STRATEGY_CHOICES)}.")
     if tau is None and name == "confadapt":
         raise RequestError("The threshold tau is empty: enter a number from 0 to 1.")
+    if k is None and name == "static":
+        raise RequestError(f"k is empty: enter a whole number from 1 to {APP_MAX_K_MAX}.")
     try:
         return resolve_strategy(name, tau=tau, k_max=None if name == "static" else k_max, k=k,
                                 default_k_max=default_k_max or APP_MAX_K_MAX, cap=APP_MAX_K_MAX)
@@ -176,7 +197,12 @@ def app_strategy(choice: Any, tau: Any = DEFAULT_TAU, k_max: Any = None, k: Any 
 
 
 def app_max_new_tokens(value: Any) -> int:
-    """max_new_tokens from 1 to :data:`APP_MAX_NEW_TOKENS` (the engine's check, the app's bound)."""
+    """max_new_tokens from 1 to :data:`APP_MAX_NEW_TOKENS` (the engine's check, the app's bound).
+
+    Raises:
+        RequestError: empty, not a whole number, or out of range (the rule and the value named)."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise RequestError(f"max new tokens is empty: enter a whole number from 1 to {APP_MAX_NEW_TOKENS}.")
     try:
         return check_max_new_tokens(value, APP_MAX_NEW_TOKENS)
     except ValueError as e:
@@ -191,7 +217,8 @@ def parse_source(choice: Any, local_path: Any) -> str:
 
 
 class ModelRegistry:
-    """Models loaded once and cached per ``(source, quantization, precision)`` (least recently used first out).
+    """Models loaded once and cached per ``(source, quantization, precision)`` (least recently used first out),
+    with what each trades on this device (:attr:`facts`: width profile, lossless shape, sweep).
 
     Args:
         loader: the engine's :func:`model.engine.loading.load_checkpoint` (or a compatible callable).
@@ -201,6 +228,8 @@ class ModelRegistry:
     def __init__(self, loader: Callable[..., LoadedModel] = load_checkpoint, capacity: int = 2):
         self._loader = loader
         self._capacity = max(1, capacity)
+        #: Width profiles and sweeps of the models, per key (:class:`app.device.ModelFacts`).
+        self.facts = ModelFacts(FORWARD_LOCK)
         self._models: OrderedDict[tuple[str, str, str], LoadedModel] = OrderedDict()
         self._lock = threading.Lock()
         self._loading: dict[tuple[str, str, str], threading.Lock] = {}
@@ -270,6 +299,8 @@ class Turn:
         model_key: ``(source, quantization, precision)`` of ``lm``.
         sides: the two decoders, ``{"standard": ..., "mtp": ...}``, made (and so checked against the
             model's context) when the turn is prepared; :func:`run_turn` runs them.
+        shape: for lossless turns whose shape was chosen for this device, the choice
+            (:class:`app.device.LosslessShape`); else None.
     """
 
     lm: LoadedModel
@@ -281,6 +312,7 @@ class Turn:
     number: int
     model_key: tuple[str, str, str] = (DEFAULT_SOURCE, "none", "auto")
     sides: dict = field(default_factory=dict, compare=False, repr=False)
+    shape: LosslessShape | None = None
 
     @property
     def messages(self) -> list[dict]:
@@ -293,6 +325,46 @@ def engine_messages(history: Sequence[dict]) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in history]
 
 
+def check_shape(shape: Any) -> str:
+    """A lossless shape from the page or an API client: ``fastest here``, ``linear``, ``full tree`` (or the
+    engine's ``full``, or mask-block prefixes such as ``0/1/3``); None and "" mean linear.
+
+    Raises:
+        RequestError: anything else, naming the choices."""
+    text = str(shape or "linear").strip().lower()
+    if text in ("fastest here", "fastest"):
+        return "fastest here"
+    if text in ("full tree", "full"):
+        return "full"
+    try:
+        verify_layout(64, text)
+    except ValueError:
+        raise RequestError(f"Unknown lossless shape {shape!r}: choose {', '.join(SHAPE_CHOICES)} "
+                           "(or mask-block prefixes such as 0/1/3).") from None
+    return text
+
+
+def lossless_strategy(strategy: Strategy, shape: str, registry: "ModelRegistry", key: tuple, lm: LoadedModel
+                      ) -> tuple[Strategy, LosslessShape | None]:
+    """The lossless strategy a turn runs: the k_max box's value is the upper bound of the shape chosen for
+    this device (``fastest here``: :meth:`app.device.ModelFacts.shape`, measuring the width profile if it is
+    not known yet), or the fixed layout at that k_max. Other strategies pass through.
+
+    Raises:
+        RequestError: a layout that does not fit the k_max."""
+    if not isinstance(strategy, Verify):
+        return strategy, None
+    if shape == "fastest here":
+        chosen = registry.facts.shape(key, lm, strategy.k_max)
+        if chosen is not None:
+            return chosen.strategy, chosen
+        return strategy, None  # no width profile (the measurement failed): the linear layout, as set
+    try:
+        return Verify(k_max=strategy.k_max, blocks=verify_layout(strategy.k_max, shape)), None
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+
+
 def prepare_turn(
     registry: ModelRegistry,
     message: Any,
@@ -303,6 +375,7 @@ def prepare_turn(
     k: Any = None,
     max_new_tokens: Any = DEFAULT_MAX_NEW_TOKENS,
     model_key: Sequence[str] | None = None,
+    shape: Any = "linear",
 ) -> Turn:
     """Validate one request and build its :class:`Turn` (loading the model if needed).
 
@@ -314,6 +387,9 @@ def prepare_turn(
             defaults to the model's :attr:`~model.engine.loaded_model.LoadedModel.default_k_max`.
         max_new_tokens: per side, 1 to :data:`APP_MAX_NEW_TOKENS`.
         model_key: ``(source, quantization[, precision])``; the default model when None.
+        shape: lossless only (:func:`check_shape`): ``fastest here`` runs the shape chosen for this device
+            with k_max at most the k_max given (:func:`lossless_strategy`); ``linear`` (default), ``full
+            tree`` or prefixes such as ``0/1/3`` run that layout at the k_max given.
 
     Raises:
         RequestError: with a message for the page (bad input, model not loadable, prompt too long
@@ -324,7 +400,9 @@ def prepare_turn(
     key = ModelRegistry.key(*(model_key or (DEFAULT_SOURCE,)))
     n_new = app_max_new_tokens(max_new_tokens)
     lm = registry.get(*key)
-    strat = app_strategy(strategy, tau, k_max, k, lm.default_k_max)
+    strat, chosen = app_strategy(strategy, tau, k_max, k, lm.default_k_max), None
+    if strat.verifies:  # the shape is checked only where it is used
+        strat, chosen = lossless_strategy(strat, check_shape(shape), registry, key, lm)
     turn_messages = engine_messages(hist) + [{"role": "user", "content": text}]
     try:
         ids = lm.prompt_ids(turn_messages)
@@ -340,7 +418,7 @@ def prepare_turn(
         raise RequestError(str(e)) from None
     number = sum(1 for m in hist if m["role"] == "user") + 1
     return Turn(lm=lm, strategy=strat, max_new_tokens=n_new, history=hist, message=text, prompt_ids=list(ids),
-                number=number, model_key=key, sides=sides)
+                number=number, model_key=key, sides=sides, shape=chosen)
 
 
 #: Seconds a ZeroGPU request may hold the GPU at most (a free visitor's daily quota is 5 minutes).
@@ -354,14 +432,15 @@ GPU_READ_BYTES_PER_SECOND = 2e12
 
 
 def gpu_seconds(message: Any, history: Any, strategy: Any, tau: Any, k_max: Any, k: Any, max_new_tokens: Any,
-                model_key: Any, run_id: Any = None) -> int:
+                model_key: Any, run_id: Any = None, shape: Any = None, stream: Any = True) -> int:
     """The GPU time a turn asks ZeroGPU for, from the same arguments as the turn (``spaces.GPU``'s
     ``duration`` callable; it runs in the main process before the GPU is granted, so it only reads).
 
     Both sides may take up to ``max_new_tokens`` passes (the MTP side fewer); a pass costs
     :data:`GPU_PASS_SECONDS` plus the model's weights read at :data:`GPU_READ_BYTES_PER_SECOND`, and 1%
-    more per token fed (``2 k_max`` at most: a wider pass costs little more on a GPU at batch 1). A short answer asks for little and so queues
-    first; the result is clamped to [15, :data:`GPU_SECONDS_MAX`] seconds."""
+    more per token fed (``2 k_max`` for the linear layout, ``k_max²`` for a tree; a wider pass costs little more
+    on a GPU at batch 1). A short answer asks for little and so queues first; the result is clamped to
+    [15, :data:`GPU_SECONDS_MAX`] seconds. The overhead covers measuring the width profile on first use."""
     try:
         n = min(max(int(float(max_new_tokens)), 1), APP_MAX_NEW_TOKENS)
     except (TypeError, ValueError):
@@ -374,29 +453,74 @@ def gpu_seconds(message: Any, history: Any, strategy: Any, tau: Any, k_max: Any,
     if preset is not None:
         size = preset.weight_bytes
     try:
-        width = 2 * min(max(int(float(k_max)), 1), APP_MAX_K_MAX)  # lossless feeds drafts + masks
+        km = min(max(int(float(k_max)), 1), APP_MAX_K_MAX)
     except (TypeError, ValueError):
-        width = 2 * APP_MAX_K_MAX
+        km = APP_MAX_K_MAX
+    tree = str(shape or "linear").strip().lower() not in ("linear", "")
+    width = km * km if tree else 2 * km  # lossless feeds drafts + a block of masks per draft prefix
     per_pass = (GPU_PASS_SECONDS + size / GPU_READ_BYTES_PER_SECOND) * (1 + 0.01 * width)
     return int(min(GPU_SECONDS_MAX, max(15.0, GPU_SECONDS_OVERHEAD + 2 * n * per_pass)))
 
 
 @dataclass(frozen=True)
-class SpeedEstimate:
-    """The MTP side's speed relative to standard decoding, robust to load.
+class SideTiming:
+    """One side's time by the page's one timing method (see :class:`SpeedEstimate`).
 
-    ``ratio`` = (MTP tokens / MTP time) ÷ (standard tokens / standard time), each time estimated as
-    prefill + (passes - 1) × the median time of a decode pass; the MTP side's median pass is the
-    standard median times the median ratio of paired passes (pass i of each side ran back to back).
-    With answers of equal length this is the wall-clock speedup.
+    Attributes:
+        prefill: seconds of the first pass (the prompt).
+        per_pass: seconds of the side's typical later pass (None: no later pass yet).
+        passes: forward passes, the prefill included.
+        tokens: tokens generated.
+        seconds: ``prefill + (passes - 1) * per_pass``.
+        measured: the plain sum of the side's own pass times (a different measure: load spikes included).
+    """
+
+    prefill: float
+    per_pass: float | None
+    passes: int
+    tokens: int
+    seconds: float
+    measured: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        """``tokens / seconds`` (0 before any time)."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def side_timing(records: Sequence[PassRecord], per_pass: float | None = None) -> SideTiming | None:
+    """A side's :class:`SideTiming` with ``per_pass`` as its typical later pass (None: the median of its own
+    later passes). None before the first pass."""
+    if not records:
+        return None
+    decode = [r.seconds for r in records[1:]]
+    if per_pass is None and decode:
+        per_pass = statistics.median(decode)
+    prefill = records[0].seconds
+    seconds = prefill + (len(records) - 1) * (per_pass or 0.0)
+    return SideTiming(prefill, per_pass, len(records), sum(len(r.kept) for r in records), seconds,
+                      sum(r.seconds for r in records))
+
+
+@dataclass(frozen=True)
+class SpeedEstimate:
+    """The MTP side's speed relative to standard decoding, robust to load: the page's one timing method.
+
+    Every pass is timed alone (device synchronised, no pass of any other session beside it). A side's time
+    is its prefill plus its other passes at its typical pass: the median standard decode pass, and for MTP
+    that median times the median ratio of paired passes (pass i of each side ran back to back, so load
+    hits both alike; before any pair, the median of its own passes). ``ratio`` = (MTP tokens / MTP time) ÷
+    (standard tokens / standard time); with answers of equal length this is the wall-clock speedup.
 
     Attributes:
         ratio: > 1 faster, < 1 slower.
         low, high: 90% interval from resampling the paired decode passes (None: too few pairs).
         pairs: paired decode passes used.
         pass_cost: median MTP decode pass time ÷ median standard decode pass time (None: no pairs).
-        raw_ratio: the same ratio from the plain sums of the passes' seconds.
+        raw_ratio: the same ratio from the plain sums of the passes' seconds (a different measure).
         same_length: both answers have the same number of tokens.
+        standard, mtp: each side's :class:`SideTiming` (what the counters show; ``ratio`` is the ratio of
+            their tokens per second).
     """
 
     ratio: float
@@ -406,31 +530,26 @@ class SpeedEstimate:
     pass_cost: float | None
     raw_ratio: float
     same_length: bool
+    standard: SideTiming | None = None
+    mtp: SideTiming | None = None
 
 
 #: Fewest paired decode passes for an interval.
 MIN_PAIRS_FOR_INTERVAL = 5
 
 
-def _ratio_from(std: Sequence[PassRecord], mtp: Sequence[PassRecord], pairs: Sequence[tuple[float, float]]
-                ) -> tuple[float, float | None]:
-    """(speedup, MTP/standard decode pass cost) from the passes' counts and the given pairs."""
-    n_std, n_mtp = sum(len(r.kept) for r in std), sum(len(r.kept) for r in mtp)
-    std_decode = [r.seconds for r in std[1:]]
+def _timings(std: Sequence[PassRecord], mtp: Sequence[PassRecord], pairs: Sequence[tuple[float, float]]
+             ) -> tuple[SideTiming, SideTiming, float | None]:
+    """Both sides' timings from the given pairs, and the MTP/standard pass cost (None: no pairs)."""
     if pairs:
         d_std = statistics.median(s for s, _ in pairs)
         cost = statistics.median(m / s for s, m in pairs)
-    else:
-        d_std = statistics.median(std_decode) if std_decode else 0.0
-        cost = None
-    if cost is None:  # no pairs: the MTP side's own decode passes, if any
-        mtp_decode = [r.seconds for r in mtp[1:]]
-        d_mtp = statistics.median(mtp_decode) if mtp_decode else 0.0
-    else:
-        d_mtp = d_std * cost
-    t_std = std[0].seconds + (len(std) - 1) * d_std
-    t_mtp = mtp[0].seconds + (len(mtp) - 1) * d_mtp
-    return (n_mtp / t_mtp) / (n_std / t_std), cost
+        return side_timing(std, d_std), side_timing(mtp, d_std * cost), cost  # type: ignore[return-value]
+    return side_timing(std), side_timing(mtp), None  # type: ignore[return-value]
+
+
+def _ratio(t_std: SideTiming, t_mtp: SideTiming) -> float:
+    return t_mtp.tokens_per_second / t_std.tokens_per_second if t_std.tokens_per_second > 0 else 0.0
 
 
 def estimate_speedup(std: Sequence[PassRecord], mtp: Sequence[PassRecord], *, resamples: int = 300,
@@ -452,15 +571,88 @@ def estimate_speedup(std: Sequence[PassRecord], mtp: Sequence[PassRecord], *, re
     if n_std == 0 or n_mtp == 0 or raw_std <= 0 or raw_mtp <= 0:
         return None
     pairs = [(s.seconds, m.seconds) for s, m in zip(std[1:], mtp[1:]) if s.seconds > 0 and m.seconds > 0]
-    ratio, cost = _ratio_from(std, mtp, pairs)
+    t_std, t_mtp, cost = _timings(std, mtp, pairs)
+    ratio = _ratio(t_std, t_mtp)
     low = high = None
-    if len(pairs) >= MIN_PAIRS_FOR_INTERVAL:
+    if len(pairs) >= MIN_PAIRS_FOR_INTERVAL:  # the same method on resampled pairs (only the medians change)
         rng = random.Random(seed)
-        boot = sorted(_ratio_from(std, mtp, [pairs[rng.randrange(len(pairs))] for _ in pairs])[0]
-                      for _ in range(resamples))
+        later_std, later_mtp = len(std) - 1, len(mtp) - 1
+
+        def resampled() -> float:
+            pick = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+            d_std = statistics.median(s for s, _ in pick)
+            d_mtp = d_std * statistics.median(m / s for s, m in pick)
+            return (n_mtp / (t_mtp.prefill + later_mtp * d_mtp)) / (n_std / (t_std.prefill + later_std * d_std))
+
+        boot = sorted(resampled() for _ in range(resamples))
         low, high = boot[int(0.05 * (resamples - 1))], boot[int(round(0.95 * (resamples - 1)))]
     return SpeedEstimate(ratio=ratio, low=low, high=high, pairs=len(pairs), pass_cost=cost,
-                         raw_ratio=(n_mtp / raw_mtp) / (n_std / raw_std), same_length=n_std == n_mtp)
+                         raw_ratio=(n_mtp / raw_mtp) / (n_std / raw_std), same_length=n_std == n_mtp,
+                         standard=t_std, mtp=t_mtp)
+
+
+# ---------------------------------------------------------------------------- quality beside speed
+#: Repetition: the answer's last :data:`LOOP_SPAN` tokens or more repeat an n-gram of at most
+#: :data:`LOOP_MAX_PERIOD` tokens, or its last :data:`DISTINCT_WINDOW` tokens hold fewer than
+#: :data:`DISTINCT_FLOOR` distinct tokens per token.
+LOOP_SPAN = 24
+LOOP_MAX_PERIOD = 12
+DISTINCT_WINDOW = 48
+DISTINCT_FLOOR = 0.2
+
+
+def repeats(token_ids: Sequence[int]) -> bool:
+    """True when an answer degenerates into repetition: its last :data:`LOOP_SPAN` tokens (at least three
+    periods) are one n-gram of at most :data:`LOOP_MAX_PERIOD` tokens repeated, or its last
+    :data:`DISTINCT_WINDOW` tokens have a distinct-token ratio under :data:`DISTINCT_FLOOR`."""
+    ids = list(token_ids)
+    for period in range(1, LOOP_MAX_PERIOD + 1):
+        span = max(LOOP_SPAN, 3 * period)
+        if len(ids) >= span and all(ids[-j] == ids[-j - period] for j in range(1, span - period + 1)):
+            return True
+    tail = ids[-DISTINCT_WINDOW:]
+    return len(tail) >= DISTINCT_WINDOW and len(set(tail)) / len(tail) < DISTINCT_FLOOR
+
+
+@dataclass(frozen=True)
+class Quality:
+    """Each answer's quality under the teacher (the base model, adapter off), scored once both sides are
+    done or stopped, outside the timed passes.
+
+    Attributes:
+        standard_nll, mtp_nll: mean negative log-likelihood per token (nats) of each answer after the prompt
+            (None for an empty answer, or when scoring failed).
+        standard_repeats, mtp_repeats: the answer degenerates into repetition (:func:`repeats`).
+    """
+
+    standard_nll: float | None
+    mtp_nll: float | None
+    standard_repeats: bool = False
+    mtp_repeats: bool = False
+
+    @property
+    def gap(self) -> float | None:
+        """``mtp_nll - standard_nll`` (> 0: the MTP answer is less likely under the model)."""
+        if self.standard_nll is None or self.mtp_nll is None:
+            return None
+        return self.mtp_nll - self.standard_nll
+
+
+def score_answers(turn: "Turn", std: GenerationResult, mtp: GenerationResult,
+                  lock: threading.Lock = FORWARD_LOCK) -> Quality:
+    """One scoring pass per answer (:func:`model.engine.scoring.teacher_nll`, adapter off) under ``lock``;
+    a failure leaves that NLL None (logged), never an error in the page."""
+    def nll(res: GenerationResult) -> float | None:
+        if not res.token_ids:
+            return None
+        try:
+            with lock:
+                total, n = teacher_nll(turn.lm, turn.prompt_ids, res.token_ids)
+        except Exception:  # noqa: BLE001 - quality is extra: the turn still ends cleanly
+            log.exception("scoring an answer failed")
+            return None
+        return total / n if n else None
+    return Quality(nll(std), nll(mtp), repeats(std.token_ids), repeats(mtp.token_ids))
 
 
 #: How a turn ended (TurnState.phase once it is final).
@@ -479,8 +671,10 @@ class TurnState:
         phase: ``running`` while passes remain, then ``done``, ``stopped`` (Stop), ``cleared``
             (Clear) or ``error``.
         error: the message when ``phase == "error"``.
-        wall_seconds: since the turn started (both sides, passes alternating).
+        wall_seconds: since the turn started (both sides, passes alternating, and the scoring).
         last: which side ran the latest pass (``"standard"`` / ``"mtp"``), None before any.
+        quality: each answer's :class:`Quality`, on the final state of a turn that ended done or
+            stopped (None before, and after Clear or an error).
     """
 
     turn: Turn
@@ -492,6 +686,7 @@ class TurnState:
     error: str | None = None
     wall_seconds: float = 0.0
     last: str | None = None
+    quality: Quality | None = None
     _speed: Any = field(default=None, repr=False)
 
     @property
@@ -545,14 +740,18 @@ def run_turn(
         A :class:`TurnState` before the first pass and after every pass (``phase == "running"``),
         then one final state
         (``done``, ``stopped``, ``cleared`` or ``error``). Engine errors (context budget, NaN
-        logits, anything else) become ``phase == "error"`` with a message; nothing is raised.
+        logits, anything else) become ``phase == "error"`` with a message; nothing is raised. A turn
+        that ends done or stopped is scored first (:func:`score_answers`: one pass per answer, not timed):
+        its final state carries :attr:`TurnState.quality`.
     """
     t0 = time.perf_counter()
     sides: dict[str, Decoder] = turn.sides
 
     def state(phase: str = "running", error: str | None = None, last: str | None = None) -> TurnState:
-        return TurnState(turn, sides["standard"].result(), sides["mtp"].result(), sides["standard"].done,
-                         sides["mtp"].done, phase, error, time.perf_counter() - t0, last)
+        std, mtp = sides["standard"].result(), sides["mtp"].result()
+        quality = score_answers(turn, std, mtp, lock) if phase in ("done", "stopped") else None
+        return TurnState(turn, std, mtp, sides["standard"].done, sides["mtp"].done, phase, error,
+                         time.perf_counter() - t0, last, quality)
 
     yield state()  # the turn has started: no pass yet
     pair = 0
@@ -671,21 +870,36 @@ class SessionRuns:
         self._lock = threading.Lock()
         self._runs: dict[str, RunTicket] = {}
         self._conversations: OrderedDict[str, list[dict]] = OrderedDict()
+        self._points: OrderedDict[str, list[dict]] = OrderedDict()
 
-    def begin(self, session: str | None, wait_if_stopping: float = 10.0) -> RunTicket | None:
-        """A ticket for a new run in ``session`` (None: no session, never refused), or None if busy."""
+    def begin(self, session: str | None, wait_if_stopping: float = 10.0, wait_for_stop: float = 0.0
+              ) -> RunTicket | None:
+        """A ticket for a new run in ``session`` (None: no session, never refused), or None if busy.
+
+        Args:
+            wait_if_stopping: seconds to wait for a run that was asked to stop to end.
+            wait_for_stop: seconds to wait for a Stop that may still be on its way (a message sent right after
+                Stop travels apart from it) before refusing a session whose run is going on.
+        """
         if session is None:
             return RunTicket(self, f"anonymous-{uuid.uuid4().hex}")
-        deadline = time.monotonic() + wait_if_stopping
+        start = time.monotonic()
+        deadline = start + wait_if_stopping
         while True:
             with self._lock:
                 cur = self._runs.get(session)
                 if cur is None:
                     ticket = self._runs[session] = RunTicket(self, session)
                     return ticket
-            if cur.stop_reason() is None or time.monotonic() >= deadline:
+            now = time.monotonic()
+            if cur.stop_reason() is None:
+                if now - start >= wait_for_stop:
+                    return None
+                cur.ended.wait(timeout=min(0.05, wait_for_stop - (now - start)))
+                continue
+            if now >= deadline:
                 return None
-            cur.ended.wait(timeout=max(0.0, deadline - time.monotonic()))
+            cur.ended.wait(timeout=max(0.0, deadline - now))
 
     def current(self, session: str | None) -> RunTicket | None:
         """The session's running ticket, if any."""
@@ -719,6 +933,26 @@ class SessionRuns:
             return list(known)
         return sent
 
+    def add_point(self, session: str | None, point: dict) -> None:
+        """Keep a finished answer's point for the session's trade-off figure (:func:`answer_point`)."""
+        if session is None:
+            return
+        with self._lock:
+            points = self._points.setdefault(session, [])
+            points.append(dict(point))
+            del points[:-MAX_POINTS_KEPT]
+            self._points.move_to_end(session)
+            while len(self._points) > MAX_SESSIONS_KEPT:
+                self._points.popitem(last=False)
+
+    def points(self, session: str | None, model_key: Sequence[str] | None = None) -> list[dict]:
+        """The session's answer points, oldest first (those of ``model_key`` only, when given)."""
+        with self._lock:
+            points = list(self._points.get(session, [])) if session is not None else []
+        if model_key is not None:
+            points = [p for p in points if tuple(p.get("model_key", ())) == tuple(model_key)]
+        return points
+
     def _release(self, ticket: RunTicket) -> None:
         with self._lock:
             if self._runs.get(ticket.session) is ticket:
@@ -728,6 +962,21 @@ class SessionRuns:
 
 #: Conversations the server keeps (one per recent session).
 MAX_SESSIONS_KEPT = 256
+#: Answer points kept per session (the trade-off figure).
+MAX_POINTS_KEPT = 200
+
+
+def answer_point(state: TurnState) -> dict | None:
+    """A finished turn as a point of the trade-off figure: ``{"model_key", "turn", "label", "name", "tau",
+    "effective_k", "identical", "parted_at", "nll", "standard_nll", "repeats"}`` (plain values). None unless
+    the turn is done and both answers were scored."""
+    q = state.quality
+    if state.phase != "done" or q is None or q.mtp_nll is None:
+        return None
+    return {"model_key": list(state.turn.model_key), "turn": state.turn.number, "label": state.strategy.label,
+            "name": state.strategy.name, "tau": state.strategy.tau, "effective_k": state.mtp.effective_k,
+            "identical": state.identical, "parted_at": state.parted_at, "nll": q.mtp_nll,
+            "standard_nll": q.standard_nll, "repeats": q.mtp_repeats}
 
 
 def _same_messages(a: Sequence[dict], b: Sequence[dict]) -> bool:

@@ -11,6 +11,7 @@ import torch
 
 from app.runner import ModelRegistry, RequestError, run_turn
 from model.engine.loading import wrap_model
+from model.errors import CheckpointError
 from tests.conftest import make_tiny
 
 N_NEW = 12
@@ -36,8 +37,11 @@ def lm(registry):
 
 @pytest.fixture
 def tiny_registry(base_tokenizer):
-    """A registry whose every source is a fresh tiny random Llama (max 2048 positions)."""
+    """A registry whose every source is a fresh tiny random Llama (max 2048 positions), except ``missing``
+    (refused as the engine refuses a path that does not exist) and ``nan`` (NaN weights)."""
     def loader(source, quantization=None, dtype=None):
+        if source == "missing":
+            raise CheckpointError("No such local model: missing.")
         tok = copy.deepcopy(base_tokenizer)
         model = make_tiny(tok)
         if source == "nan":

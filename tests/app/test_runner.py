@@ -234,3 +234,215 @@ def test_engine_errors_become_messages(tiny_registry):
     text, kind = render.turn_status(last)
     assert kind == "error" and "NaN or infinite logits" in text
     assert history_after(last) == []  # failed before any pass: the conversation is unchanged
+
+
+# ------------------------------------------------------------------ empty and invisible input
+@pytest.mark.parametrize("text", ["\u200b\u200b\u200d", " \u200b \n\u200d\t", "\ufeff", "\u2060\u200e\u200f",
+                                  "\u00ad", "\u202a\u202c", "\u200b\x00\x1b"])
+def test_zero_width_messages_are_refused_like_whitespace(text):
+    from app.runner import check_message, is_blank
+
+    assert is_blank(text)
+    with pytest.raises(RequestError, match="The message is empty: type a question first."):
+        check_message(text)
+    assert check_message("\u200bhi\u200d") == "\u200bhi\u200d"  # visible text keeps its invisible characters
+    assert not is_blank("\u0661")  # an Arabic digit is text
+
+
+def test_empty_controls_are_named_in_the_users_words():
+    from app.runner import app_max_new_tokens, app_strategy
+
+    with pytest.raises(RequestError, match="tau is empty"):
+        app_strategy("ConfAdapt", None, 4)
+    with pytest.raises(RequestError, match="^k is empty: enter a whole number from 1 to 32.$"):
+        app_strategy("static k", 0.9, 4, None)
+    for empty in (None, "", "  "):
+        with pytest.raises(RequestError, match="^max new tokens is empty: enter a whole number from 1 to 1024.$"):
+            app_max_new_tokens(empty)
+    assert app_strategy("lossless", None, None, None, 4).k_max == 4  # unused controls may be empty
+
+
+# ----------------------------------------------------------------------- repetition
+def test_repetition_is_detected_in_loops_and_low_variety_only():
+    from app.runner import repeats
+
+    assert repeats([5] * 30)  # one token over and over
+    assert repeats([1, 2, 3] + [7, 8, 9, 10] * 8)  # a 4-gram loop over the last 32 tokens
+    assert repeats(list(range(40)) + [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22] * 3)  # 12-gram, 3 times
+    assert not repeats([7, 8, 9, 10] * 5)  # 20 tokens: too short to call
+    assert not repeats(list(range(100)))  # varied text
+    assert not repeats(list(range(20)) + [1, 2] * 5)  # a short run of a loop (10 tokens) is not degenerate
+    shuffled = [3, 1, 2, 2, 3, 1, 1, 1, 3, 2, 3, 2, 1, 3, 2, 2, 1, 1, 3, 3, 2, 1, 2, 3, 1, 3, 3, 2, 1, 1, 2, 3,
+                2, 1, 3, 1, 2, 2, 3, 3, 1, 2, 1, 3, 3, 1, 2, 2]
+    assert repeats(shuffled)  # no loop, but 3 distinct tokens in the last 48: babbling
+    assert not repeats(shuffled[:40])  # too short to call either way
+
+
+# ------------------------------------------------------------------ the timing method
+def test_every_timing_figure_follows_one_method():
+    """The headline's ratio is the two sides' tok/s ratio, and each side's time is its prefill plus its passes
+    at its typical pass; the plain sums are the other measure (spikes included)."""
+    import random
+
+    rng = random.Random(3)
+    std, mtp = [_rec(0, 0.4)], [_rec(0, 0.45, 2)]
+    for i in range(1, 40):
+        s, m = 0.05 * rng.uniform(0.9, 1.1), 0.07 * rng.uniform(0.9, 1.1)
+        if i % 7 == 0:
+            s *= 6  # load spikes on one side only
+        std.append(_rec(i, s))
+        mtp.append(_rec(i, m, 2 if i % 3 else 1))
+    sp = estimate_speedup(std, mtp)
+    for side, recs in ((sp.standard, std), (sp.mtp, mtp)):
+        assert side.seconds == pytest.approx(side.prefill + (side.passes - 1) * side.per_pass)
+        assert side.tokens == sum(len(r.kept) for r in recs) and side.passes == len(recs)
+        assert side.measured == pytest.approx(sum(r.seconds for r in recs))
+    assert sp.ratio == pytest.approx(sp.mtp.tokens_per_second / sp.standard.tokens_per_second)
+    assert sp.mtp.per_pass == pytest.approx(sp.standard.per_pass * sp.pass_cost)
+    raw = (sp.mtp.tokens / sp.mtp.measured) / (sp.standard.tokens / sp.standard.measured)
+    assert sp.raw_ratio == pytest.approx(raw) and sp.raw_ratio > sp.ratio  # spikes flatter the plain sums
+
+
+# ------------------------------------------------------------------ quality beside speed
+def test_a_finished_turn_is_scored_outside_the_timed_passes(tiny_registry):
+    from app.runner import run_turn
+    from model.engine.scoring import teacher_nll
+
+    turn = prepare_turn(tiny_registry, "hi there", [], "static k", 0.9, 4, 3, 10, ("tiny", "none"))
+    states = list(run_turn(turn))
+    last = states[-1]
+    assert all(s.quality is None for s in states[:-1]) and last.quality is not None
+    for res, nll in ((last.standard, last.quality.standard_nll), (last.mtp, last.quality.mtp_nll)):
+        total, n = teacher_nll(turn.lm, turn.prompt_ids, res.token_ids)
+        assert nll == pytest.approx(total / n)
+    assert last.quality.gap == pytest.approx(last.quality.mtp_nll - last.quality.standard_nll)
+    # the pass records hold the passes only: as many as the decoders ran, none for the scoring
+    assert len(last.standard.passes) == last.standard.new_tokens and last.speed.standard.passes == len(last.standard.passes)
+    # a stopped turn is scored too; a cleared one is not
+    reasons = iter([None, None, None, "stopped"])
+    stopped = finish(prepare_turn(tiny_registry, "hi there", [], "static k", 0.9, 4, 3, 10, ("tiny", "none")),
+                     lambda: next(reasons, "stopped"))[1]
+    assert stopped.phase == "stopped" and stopped.quality is not None and stopped.quality.standard_nll is not None
+    cleared = finish(prepare_turn(tiny_registry, "hi", [], "static k", 0.9, 4, 3, 10, ("tiny", "none")),
+                     lambda: "cleared")[1]
+    assert cleared.quality is None
+
+
+def test_answer_points_come_from_finished_scored_turns(tiny_registry):
+    from app.runner import answer_point
+
+    last = finish(prepare_turn(tiny_registry, "hi", [], "ConfAdapt", 0.5, 4, 3, 8, ("tiny", "none")))[1]
+    point = answer_point(last)
+    assert point["effective_k"] == last.mtp.effective_k and point["nll"] == last.quality.mtp_nll
+    assert point["identical"] == last.identical and point["model_key"] == ["tiny", "none", "auto"]
+    assert point["tau"] == 0.5 and point["turn"] == 1
+    runs = SessionRuns()
+    runs.add_point("s", point)
+    runs.add_point("s", dict(point, model_key=["other", "none", "auto"]))
+    assert runs.points("s", ("tiny", "none", "auto")) == [point] and len(runs.points("s")) == 2
+    assert runs.points("t") == [] and runs.points(None) == []
+
+
+# ------------------------------------------------------------------ lossless: the device's shape
+FLAT = {1: 0.030, 2: 0.030, 4: 0.031, 8: 0.032, 16: 0.034}  # width nearly free: a GPU at batch 1
+STEEP = {1: 0.030, 2: 0.055, 4: 0.060, 8: 0.080, 16: 0.110}  # a CPU in float32
+
+
+def _profile(costs, device="cuda:0", native=True):
+    from app.device import WidthProfile
+
+    return WidthProfile(costs, device, "float32", native)
+
+
+def test_lossless_runs_the_shape_chosen_for_this_device_within_the_k_max_box(tiny_registry):
+    from model.engine.width import choose_verify_layout, conditional_acceptance
+
+    from app.device import DEFAULT_ACCEPTANCE
+
+    key = ("tiny", "none", "auto")
+    tiny_registry.get(*key)
+    tiny_registry.facts.put_profile(key, _profile(FLAT))
+    turn = prepare_turn(tiny_registry, "hi", [], "lossless", 0.9, 8, 3, 8, key, "fastest here")
+    k, blocks, speedup = choose_verify_layout(FLAT, conditional_acceptance(DEFAULT_ACCEPTANCE), 8)
+    assert (turn.strategy.k_max, turn.strategy.blocks) == (k, blocks) and k > 1 and blocks is not None
+    assert turn.shape.limit == 8 and turn.shape.speedup == pytest.approx(speedup)
+    assert "assumed" in turn.shape.source and turn.sides["mtp"].strategy == turn.strategy
+    # the k_max box is the upper bound
+    assert prepare_turn(tiny_registry, "hi", [], "lossless", 0.9, 2, 3, 8, key, "fastest here").strategy.k_max <= 2
+    # fixed layouts at the box's k_max; the shape is not checked where it is not used
+    assert prepare_turn(tiny_registry, "hi", [], "lossless", 0.9, 4, 3, 8, key, "linear").strategy.spec == "verify:4"
+    assert prepare_turn(tiny_registry, "hi", [], "lossless", 0.9, 4, 3, 8, key, "full tree").strategy.spec == \
+        "verify:4:full"
+    assert prepare_turn(tiny_registry, "hi", [], "lossless", 0.9, 4, 3, 8, key).strategy.spec == "verify:4"
+    with pytest.raises(RequestError, match="Unknown lossless shape 'wide'"):
+        prepare_turn(tiny_registry, "hi", [], "lossless", 0.9, 4, 3, 8, key, "wide")
+    assert prepare_turn(tiny_registry, "hi", [], "ConfAdapt", 0.9, 4, 3, 8, key, "wide").shape is None
+    # where width costs much, no draft pays: lossless runs as standard decoding (k_max 1), and says so
+    tiny_registry.facts.put_profile(key, _profile({1: 0.03, 2: 0.06, 4: 0.12, 8: 0.24, 16: 0.48}, "cpu", False))
+    turn = prepare_turn(tiny_registry, "hi", [], "lossless", 0.9, 4, 3, 8, key, "fastest here")
+    assert turn.strategy.k_max == 1 and turn.shape.speedup == 1.0
+    last = finish(turn)[1]
+    assert last.identical and last.mtp.forward_passes == last.standard.forward_passes
+
+
+def test_acceptance_comes_from_the_sweep_else_a_stated_default(tiny_registry):
+    from app.device import DEFAULT_ACCEPTANCE
+
+    key = ("tiny", "none", "auto")
+    lm = tiny_registry.get(*key)
+    facts = tiny_registry.facts
+    assert facts.acceptance(key, lm) == (DEFAULT_ACCEPTANCE, "assumed (no sweep for this checkpoint yet)")
+    sweep = {"points": [{"name": "verify", "strategy": "verify:4", "k_max": 4, "acceptance_by_position": [0.5, 0.3, None]},
+                        {"name": "verify", "strategy": "verify:4:full", "k_max": 4, "acceptance_by_position": [0.9]}]}
+    facts.put_sweep(key, sweep)
+    acc, source = facts.acceptance(key, lm)
+    assert acc == (0.5, 0.3, 0.0) and source == "the trade-off measured here (lossless k_max 4)"
+    assert facts.sweep(key, lm) == (sweep, "measured")
+
+
+def test_a_sweep_is_measured_pass_by_pass_under_the_forward_lock(tiny_registry):
+    """The page's "Measure the trade-off": run_sweep on a view whose every pass (and the teacher's) takes the
+    app's lock, so that it never overlaps another session's timed pass nor switches its adapter off."""
+    import threading
+
+    from app.device import ModelFacts, locked_view
+
+    class CountingLock:
+        def __init__(self):
+            self.lock, self.entered = threading.Lock(), 0
+
+        def __enter__(self):
+            self.lock.acquire()
+            self.entered += 1
+
+        def __exit__(self, *exc):
+            self.lock.release()
+
+    key = ("tiny", "none", "auto")
+    lm = tiny_registry.get(*key)
+    lock = CountingLock()
+    facts = ModelFacts(lock)
+    seen = []
+    sweep = facts.measure_sweep(key, lm, ["hi", "Name a colour."], taus=(0.5, 0.9), max_new_tokens=6,
+                                on_progress=lambda done, total: seen.append((done, total)))
+    assert [p["name"] for p in sweep["points"]] == ["standard", "confadapt", "confadapt", "verify"]
+    assert seen[-1] == (8, 8) and facts.sweep(key, lm) == (sweep, "measured")
+    generations = 8  # 2 prompts x (standard + 2 ConfAdapt + lossless)
+    assert lock.entered >= 2 * 6 + generations  # standard's 6 passes per prompt, and one scoring pass per answer
+    view = locked_view(lm, lock)
+    assert view.model is lm.model and view._fast is lm._fast  # the same weights and fast-path structures
+
+
+def test_a_message_sent_right_after_stop_waits_for_the_stop():
+    import time
+
+    runs = SessionRuns()
+    first = runs.begin("s")
+    threading.Timer(0.2, lambda: (first.request_stop(), threading.Timer(0.2, first.release).start())).start()
+    t0 = time.monotonic()
+    second = runs.begin("s", wait_for_stop=2.0)  # Stop arrives 0.2 s later; the run ends 0.2 s after that
+    assert second is not None and second is not first and time.monotonic() - t0 < 2.0
+    second.release()
+    busy = runs.begin("s")
+    assert runs.begin("s", wait_for_stop=0.2) is None  # no Stop comes: refused after the grace
+    busy.release()

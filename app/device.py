@@ -1,0 +1,298 @@
+"""What the loaded checkpoint trades on this device, without any Gradio type (paper 4.5).
+
+* :class:`WidthProfile` — what a forward pass costs here by how many tokens it feeds
+  (:func:`model.engine.width.pass_costs`, measured once per model under the app's forward lock).
+  MTP pays off only where a pass over several tokens costs about what a one-token pass costs.
+* :class:`LosslessShape` — the lossless setting (k_max and where the mask blocks go) that decodes
+  fastest here: :func:`model.engine.width.choose_verify_layout` from the width profile and the
+  checkpoint's acceptance by draft position (its sweep, or a stated default).
+* :class:`ModelFacts` — both, and the checkpoint's speed/quality sweep over tau
+  (:mod:`model.evaluation.sweep`: shipped as ``sweep.json`` beside the adapter, or measured on the
+  example prompts by the page's button), cached per model key.
+
+No model code lives here: the engine measures and decodes; this module keeps its answers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+from model.engine.loaded_model import LoadedModel
+from model.engine.precision import native_bf16
+from model.engine.strategies import Verify, confadapt, verify
+from model.engine.width import choose_verify_layout, conditional_acceptance, cost_at, pass_costs
+from model.evaluation.sweep import load_sweep, run_sweep, verify_acceptance
+
+log = logging.getLogger(__name__)
+
+#: Acceptance by draft position assumed for an MTP-trained checkpoint without a sweep: about what the
+#: default adapter reaches at k_max 4 on GSM8K (lossless effective k ~1.7).
+DEFAULT_ACCEPTANCE = (0.67, 0.42, 0.22)
+#: Passes per width when the profile is measured (after one warm-up each).
+WIDTH_REPEATS = 3
+#: The lossless shapes the page offers: the fastest for this device, or a fixed layout at the k_max box.
+SHAPE_CHOICES = ("fastest here", "linear", "full tree")
+#: The page's "Measure the trade-off" sweep: ConfAdapt at these taus, lossless, 48 new tokens per answer.
+SWEEP_TAUS = (0.5, 0.7, 0.9, 0.99)
+SWEEP_MAX_NEW_TOKENS = 48
+#: Largest k_max a measured sweep uses (the model's own k_max when smaller).
+SWEEP_K_MAX = 8
+
+
+@dataclass(frozen=True)
+class WidthProfile:
+    """Seconds of one forward pass by tokens fed, measured on the model's device.
+
+    Attributes:
+        costs: ``{tokens fed: seconds}`` (:func:`model.engine.width.pass_costs`).
+        device: the device, e.g. ``"cpu"``, ``"cuda:0"``.
+        dtype: the dtype the weights compute in, e.g. ``"float32"``.
+        native_bf16: the device computes bfloat16 natively (:func:`model.engine.precision.native_bf16`).
+        seconds: how long the measurement took.
+    """
+
+    costs: dict
+    device: str
+    dtype: str
+    native_bf16: bool
+    seconds: float = 0.0
+
+    def ratio(self, width: int) -> float:
+        """Cost of a pass of ``width`` tokens ÷ cost of a one-token pass (interpolated between widths)."""
+        return cost_at(self.costs, width) / cost_at(self.costs, 1)
+
+    @property
+    def slow_width(self) -> bool:
+        """A CPU without native bf16: MTP's wider passes cost well over a one-token pass here."""
+        return self.device.startswith("cpu") and not self.native_bf16
+
+    def to_dict(self) -> dict:
+        """Plain JSON (widths as strings)."""
+        return {"costs": {str(k): v for k, v in self.costs.items()}, "device": self.device, "dtype": self.dtype,
+                "native_bf16": self.native_bf16, "seconds": self.seconds}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "WidthProfile":
+        """Inverse of :meth:`to_dict`."""
+        return cls({int(k): float(v) for k, v in d["costs"].items()}, d["device"], d["dtype"], bool(d["native_bf16"]),
+                   float(d.get("seconds", 0.0)))
+
+
+@dataclass(frozen=True)
+class LosslessShape:
+    """The fastest lossless setting for a device and a checkpoint, within a k_max limit.
+
+    Attributes:
+        k_max: proposals per pass (1: standard decoding itself: no draft pays for its width here).
+        blocks: the draft prefixes a block of masks follows (None: the linear layout).
+        speedup: expected tokens per second relative to standard decoding (1.0 for k_max 1).
+        acceptance: the acceptance by draft position the choice used (share of passes that accepted
+            draft j, as :attr:`~model.engine.decoding.GenerationResult.acceptance_by_position`).
+        source: where that acceptance comes from, in words.
+        limit: the k_max limit (the page's k_max box).
+    """
+
+    k_max: int
+    blocks: tuple | None
+    speedup: float
+    acceptance: tuple
+    source: str
+    limit: int
+
+    @property
+    def strategy(self) -> Verify:
+        """The engine's strategy for this shape."""
+        return Verify(k_max=self.k_max, blocks=self.blocks)
+
+    @property
+    def layout(self) -> str:
+        """``linear``, ``full`` or the prefixes a block follows (``0/1/3``)."""
+        return self.strategy.layout
+
+    def describe(self) -> str:
+        """The shape in words, e.g. ``k_max 3, mask blocks after 0/2 drafts``."""
+        if self.k_max <= 1:
+            return "k_max 1 (standard decoding itself)"
+        lay = self.layout
+        where = "one block after the drafts (linear)" if lay == "linear" else (
+            "a block after every draft prefix (full tree)" if lay == "full" else f"mask blocks after {lay} drafts")
+        return f"k_max {self.k_max}, {where}"
+
+
+def _verify_points(sweep: dict | None) -> list[int]:
+    """k_max of the sweep's linear lossless points, largest first."""
+    ks = {p.get("k_max") for p in (sweep or {}).get("points", [])
+          if p.get("name") == "verify" and str(p.get("strategy", "")).count(":") < 2 and p.get("k_max")}
+    return sorted((k for k in ks if isinstance(k, int)), reverse=True)
+
+
+class _LockedModel(LoadedModel):
+    """A view of a :class:`LoadedModel` (same weights, same fast-path structures) whose every forward
+    pass, and every pass of the teacher (adapter off), runs under a lock: a sweep measured while other
+    sessions generate neither overlaps their timed passes nor switches their adapter off."""
+
+    _app_lock: Any = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102 - LoadedModel.forward under the lock
+        with self._app_lock:
+            return super().forward(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def base_model(self) -> Iterator[Any]:  # noqa: D102 - LoadedModel.base_model under the lock
+        with self._app_lock:
+            with super().base_model() as model:
+                yield model
+
+
+def locked_view(lm: LoadedModel, lock: Any) -> LoadedModel:
+    """``lm`` with every forward pass (and the teacher's) taken under ``lock`` (see :class:`_LockedModel`).
+
+    A workaround: the engine's :func:`~model.evaluation.sweep.run_sweep` has no hook for a lock per pass."""
+    view = _LockedModel(**{f.name: getattr(lm, f.name) for f in dataclasses.fields(lm) if f.init})
+    view._app_lock = lock
+    return view
+
+
+class ModelFacts:
+    """Width profiles and sweeps of the loaded models, cached per model key ``(source, quantization, precision)``.
+
+    Args:
+        lock: the app's forward lock (:data:`app.runner.FORWARD_LOCK`): the width measurement holds it, so
+            that no other pass runs beside it; a sweep takes it pass by pass.
+    """
+
+    def __init__(self, lock: Any):
+        self._lock = lock
+        self._mutex = threading.Lock()
+        self._profiles: dict[tuple, WidthProfile | None] = {}
+        self._profile_errors: dict[tuple, str] = {}
+        self._shipped: dict[tuple, dict | None] = {}
+        self._measured: dict[tuple, dict] = {}
+
+    # ------------------------------------------------------------------ width
+    def profile(self, key: tuple, lm: LoadedModel | None = None) -> WidthProfile | None:
+        """The width profile of model ``key``: cached, or measured now on ``lm`` (a few seconds, holding the
+        forward lock) when ``lm`` is given. None when not measured (or the measurement failed:
+        :meth:`profile_error` says why)."""
+        with self._mutex:
+            if key in self._profiles:
+                return self._profiles[key]
+        if lm is None:
+            return None
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                costs = pass_costs(lm, repeats=WIDTH_REPEATS)
+            prof = WidthProfile(dict(costs), str(lm.device), lm.dtype_name, native_bf16(lm.device),
+                                time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001 - a model the measurement cannot run: the page says so
+            log.exception("measuring the width cost of %s failed", key)
+            with self._mutex:
+                self._profile_errors[key] = f"{type(e).__name__}: {e}"
+                self._profiles[key] = None
+            return None
+        with self._mutex:
+            self._profiles[key] = prof
+        return prof
+
+    def put_profile(self, key: tuple, profile: WidthProfile | None) -> None:
+        """Record a profile measured elsewhere (a GPU worker process)."""
+        if profile is not None:
+            with self._mutex:
+                self._profiles[key] = profile
+
+    def profile_error(self, key: tuple) -> str | None:
+        """Why the width profile of ``key`` could not be measured, if it failed."""
+        return self._profile_errors.get(key)
+
+    # ------------------------------------------------------------------ sweeps
+    def sweep(self, key: tuple, lm: LoadedModel | None) -> tuple[dict | None, str | None]:
+        """``(sweep, source)``: the checkpoint's shipped ``sweep.json`` (source ``"shipped"``), else one
+        measured by the page (``"measured"``), else ``(None, None)``."""
+        with self._mutex:
+            known = key in self._shipped
+            shipped = self._shipped.get(key)
+        if not known and lm is not None:
+            shipped = load_sweep(getattr(lm, "checkpoint_dir", None))
+            with self._mutex:
+                self._shipped[key] = shipped
+        if shipped is not None:
+            return shipped, "shipped"
+        with self._mutex:
+            measured = self._measured.get(key)
+        return (measured, "measured") if measured is not None else (None, None)
+
+    def put_sweep(self, key: tuple, sweep: dict) -> None:
+        """Keep a sweep measured by the page for model ``key``."""
+        with self._mutex:
+            self._measured[key] = sweep
+
+    def acceptance(self, key: tuple, lm: LoadedModel) -> tuple[tuple, str]:
+        """``(acceptance by draft position, where it comes from)``: the sweep's lossless point with the largest
+        k_max, else :data:`DEFAULT_ACCEPTANCE` (none for a model whose mask token is untrained)."""
+        sweep, source = self.sweep(key, lm)
+        for k in _verify_points(sweep):
+            by_pos = verify_acceptance(sweep, k)
+            if by_pos:
+                what = "the checkpoint's sweep" if source == "shipped" else "the trade-off measured here"
+                return tuple(0.0 if a is None else float(a) for a in by_pos), f"{what} (lossless k_max {k})"
+        if not lm.mtp_trained:
+            return (0.0,), "none expected: the model is not MTP-trained"
+        return DEFAULT_ACCEPTANCE, "assumed (no sweep for this checkpoint yet)"
+
+    def shape(self, key: tuple, lm: LoadedModel, limit: int, *, measure: bool = True) -> LosslessShape | None:
+        """The fastest lossless setting with k_max ≤ ``limit`` on this device (None without a width
+        profile; measured now when ``measure``)."""
+        prof = self.profile(key, lm if measure else None)
+        if prof is None:
+            return None
+        acc, source = self.acceptance(key, lm)
+        k, blocks, speedup = choose_verify_layout(prof.costs, conditional_acceptance(acc), max(1, int(limit)))
+        return LosslessShape(k, blocks, speedup, acc, source, int(limit))
+
+    # ------------------------------------------------------------------ measuring a sweep
+    def measure_sweep(self, key: tuple, lm: LoadedModel, prompts: Sequence[str], *,
+                      taus: Sequence[float] = SWEEP_TAUS, max_new_tokens: int = SWEEP_MAX_NEW_TOKENS,
+                      on_progress: Callable[[int, int], None] | None = None) -> dict:
+        """Measure the trade-off on ``prompts`` with :func:`~model.evaluation.sweep.run_sweep` (ConfAdapt at
+        ``taus`` and lossless, at the model's k_max up to :data:`SWEEP_K_MAX`), every pass under the forward
+        lock; keep and return it.
+
+        Raises:
+            ValueError: no prompts.
+        """
+        if not prompts:
+            raise ValueError("No prompts to measure the trade-off on.")
+        k = max(2, min(lm.default_k_max, SWEEP_K_MAX))
+        strategies = [confadapt(t, k) for t in taus] + [verify(k)]
+        sweep = run_sweep(locked_view(lm, self._lock), list(prompts), strategies, max_new_tokens=max_new_tokens,
+                          on_progress=on_progress)
+        self.put_sweep(key, sweep)
+        return sweep
+
+
+def progress_of(fn: Callable[[Callable[[int, int], None]], Any]) -> Iterator[tuple[str, Any]]:
+    """Run ``fn(on_progress)`` in a thread and yield ``("progress", (done, total))`` as it reports, then
+    ``("result", value)`` or ``("error", exception)``: a long engine call as a generator (what a ZeroGPU
+    worker can stream back)."""
+    q: queue.Queue = queue.Queue()
+
+    def work() -> None:
+        try:
+            q.put(("result", fn(lambda done, total: q.put(("progress", (done, total))))))
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            q.put(("error", e))
+
+    threading.Thread(target=work, daemon=True).start()
+    while True:
+        kind, value = q.get()
+        yield kind, value
+        if kind != "progress":
+            return
