@@ -41,7 +41,8 @@ DRAFT_OK = "#43a047"  # a draft equal to the model's own choice
 DRAFT_BAD = "#d32f2f"  # the first draft that differs (rejected)
 DRAFT_SKIPPED = "#e0e0e0"  # drafts after the rejected one (never kept)
 OWN = "#ef6c00"  # the model's own token a verify pass adds (correction or next token)
-NEW_DRAFT = "#b39ddb"  # mask proposals: the drafts of the next pass
+NEW_DRAFT = "#9575cd"  # mask proposals of the block used: the drafts of the next pass
+UNUSED_BLOCK = "#d9cff0"  # mask proposals of a block that did not follow the accepted drafts (not used; hatched)
 STD_COLOUR = "#1f77b4"
 MTP_COLOUR = "#d62728"
 BAR_PAST = "#9ecae1"
@@ -88,8 +89,10 @@ def _block_bars(rec: PassRecord) -> dict:
 
 def _verify_bars(records: Sequence[PassRecord], i: int) -> dict:
     """Lossless verification: the drafts checked (accepted / rejected / dropped after a rejection), the
-    model's own token (its correction or its next token), then the new drafts (mask proposals).
-    Height: the model's confidence at that place (for a draft, in its own choice there)."""
+    model's own token (its correction or its next token), then every mask block's proposals
+    (``PassRecord.mask_blocks`` / ``block_texts``): the block that followed the accepted drafts is marked as
+    used (its proposals are ``next_drafts``), the others as not used. Height: the model's confidence at that
+    place (for a draft, in its own choice there)."""
     rec = records[i]
     texts = rec.draft_texts or [f"id {t}" for t in rec.drafts]
     confs = list(rec.draft_confidences) or [1.0] * len(rec.drafts)
@@ -123,13 +126,29 @@ def _verify_bars(records: Sequence[PassRecord], i: int) -> dict:
         ys.append(c)
         colours.append(OWN), labels.append("→")
         hover.append(f"{html.escape(repr(own))} (confidence {c:.3f}): {what}; always kept")
-    if rec.correction is None and not (rec.stopped or rec.block_end == "max_new_tokens"):
-        for j, (t, c) in enumerate(zip(rec.proposal_texts[1:], rec.confidences[1:])):
-            xs.append(f"m{j + 1}:{_token_label(t)}")
+    blocks = list(rec.mask_blocks)
+    if not blocks and rec.fed_masks and rec.proposal_texts[1:]:  # a record without block fields: one block
+        blocks, block_texts, block_confs = [rec.fed_drafts], [rec.proposal_texts[1:]], [rec.confidences[1:]]
+    else:
+        block_texts, block_confs = rec.block_texts, rec.block_confidences
+    several = len(blocks) > 1
+    for b, (after, texts_b, confs_b) in enumerate(zip(blocks, block_texts, block_confs)):
+        used = bool(rec.next_drafts) and after == rec.drafts_accepted
+        where = f"the block after {after} draft{'s' if after != 1 else ''}"
+        if used:
+            why = "used: it followed the accepted drafts, so its proposals are the next pass's drafts"
+        elif rec.stopped or rec.block_end in ("max_new_tokens", "stop string"):
+            why = "not used: the answer ended"
+        else:
+            why = f"not used: the pass accepted {min(rec.drafts_accepted, len(rec.drafts))} drafts, not {after}"
+        for j, (t, c) in enumerate(zip(texts_b, confs_b)):
+            xs.append(f"b{after}.m{j + 1}:{_token_label(t)}" if several else f"m{j + 1}:{_token_label(t)}")
             ys.append(c)
-            colours.append(NEW_DRAFT), labels.append("")
-            hover.append(f"mask {j + 1} proposes {html.escape(repr(t))} (confidence {c:.3f}): a draft for the next pass")
-    return {"type": "bar", "x": xs, "y": ys, "marker": {"color": colours}, "name": "drafts", "text": labels,
+            colours.append(NEW_DRAFT if used else UNUSED_BLOCK), labels.append("")
+            hover.append(f"{where}, mask {j + 1} proposes {html.escape(repr(t))} (confidence {c:.3f}); {why}")
+    patterns = ["/" if c == UNUSED_BLOCK else "" for c in colours]
+    return {"type": "bar", "x": xs, "y": ys, "name": "drafts", "text": labels,
+            "marker": {"color": colours, "pattern": {"shape": patterns, "fgcolor": "#8e7cc3", "size": 6}},
             "textposition": "inside", "insidetextanchor": "middle", "textfont": {"color": "white", "size": 14},
             "hovertext": hover, "hoverinfo": "text"}
 
@@ -183,7 +202,8 @@ def passes_figure(records: Sequence[PassRecord], strategy: Strategy | None) -> d
     fig.update_xaxes(range=[0.5, max(n, 8) + 0.5], row=1, col=1)
     fig.update_yaxes(range=[0, max(k_max, 1) + 0.5], title_text="tokens", row=1, col=1)
     fig.update_yaxes(range=[0, 1.05], title_text="confidence", row=2, col=1)
-    fig.update_xaxes(tickangle=-50, type="category", row=2, col=1)
+    # rotated token labels: automargin keeps the first ones inside the figure on a phone (390 px)
+    fig.update_xaxes(tickangle=-50, type="category", automargin=True, row=2, col=1)
     step_args = {"frame": {"duration": 0, "redraw": True}, "mode": "immediate", "transition": {"duration": 0}}
     fig.update_layout(
         title={"text": _frame_title(records[last], n), "x": 0.0, "xanchor": "left", "font": {"size": 14}},
@@ -236,7 +256,8 @@ def race_figure(panes: Sequence[tuple[str, Sequence[PassRecord]]]) -> go.Figure:
 
     Args:
         panes: ``(label, records)`` per side; seconds are the sum of that side's own forward-pass
-            times (each pass timed alone, device synchronised).
+            times (each pass timed alone, device synchronised): the plain sums, a different measure from the
+            headline's medians (the page's "How speed is measured" says so).
 
     Returns:
         A ``go.Figure`` with one step line per side; the legend sits above the plot, never over a line.
@@ -252,8 +273,165 @@ def race_figure(panes: Sequence[tuple[str, Sequence[PassRecord]]]) -> go.Figure:
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", line_shape="hv", name=label,
                                  line_color=colour, marker_size=4,
                                  hovertemplate="%{y} tokens after %{x:.2f} s<extra>" + html.escape(label) + "</extra>"))
-    fig.update_layout(title={"text": "Race: tokens vs seconds", "x": 0.0, "xanchor": "left"}, height=360,
-                      xaxis_title="seconds (sum of own passes)", yaxis_title="tokens",
+    fig.update_layout(title={"text": "Race: tokens vs measured seconds", "x": 0.0, "xanchor": "left"}, height=360,
+                      xaxis_title="measured s (sum of own passes)", yaxis_title="tokens",
                       margin=dict(l=50, r=10, t=80, b=45), autosize=True,
                       legend=dict(orientation="h", x=0.0, xanchor="left", y=1.02, yanchor="bottom"))
+    return fig
+
+
+# ---------------------------------------------------------------------------- the trade-off
+TRADEOFF_CONFADAPT = "#d62728"
+TRADEOFF_VERIFY = "#2ca02c"
+TRADEOFF_STANDARD = "#1f77b4"
+TRADEOFF_STATIC = "#9467bd"
+TRADEOFF_NOW = "#111111"
+ANSWER_IDENTICAL = "#2ca02c"
+ANSWER_PARTED = "#ff7f0e"
+
+
+def tau_point(sweep: dict | None, tau: float | None, k_max: int | None = None) -> dict | None:
+    """Where ``tau`` sits on the sweep's ConfAdapt curve: ``{"tau", "k_max", "effective_k",
+    "agreement_with_standard", "nll_teacher", "inside"}``, linearly interpolated between the two measured
+    taus around it (the curve with the k_max nearest ``k_max``); ``inside`` is False when ``tau`` lies
+    outside the measured taus (the nearest end is returned). None without ConfAdapt points or a tau."""
+    if tau is None or not sweep:
+        return None
+    try:
+        tau = float(tau)
+    except (TypeError, ValueError):
+        return None
+    points = [p for p in sweep.get("points", []) if p.get("name") == "confadapt" and p.get("tau") is not None]
+    if not points or tau != tau:
+        return None
+    ks = sorted({p.get("k_max") or 0 for p in points})
+    want = k_max if isinstance(k_max, (int, float)) else ks[-1]
+    k = min(ks, key=lambda x: (abs(x - want), -x))
+    curve = sorted((p for p in points if (p.get("k_max") or 0) == k), key=lambda p: p["tau"])
+    keys = ("effective_k", "agreement_with_standard", "nll_teacher")
+
+    def at(p: dict) -> dict:
+        return {key: p.get(key) for key in keys}
+    inside = curve[0]["tau"] <= tau <= curve[-1]["tau"]
+    if tau <= curve[0]["tau"]:
+        vals = at(curve[0])
+    elif tau >= curve[-1]["tau"]:
+        vals = at(curve[-1])
+    else:
+        lo = [p for p in curve if p["tau"] <= tau][-1]
+        hi = [p for p in curve if p["tau"] >= tau][0]
+        w = 0.0 if hi["tau"] == lo["tau"] else (tau - lo["tau"]) / (hi["tau"] - lo["tau"])
+        vals = {}
+        for key in keys:
+            a, b = lo.get(key), hi.get(key)
+            vals[key] = None if a is None or b is None else a + w * (b - a)
+    return {"tau": tau, "k_max": k, "inside": inside, **vals}
+
+
+def tradeoff_figure(sweep: dict | None, *, tau: float | None = None, k_max: int | None = None,
+                    answers: Sequence[dict] = (), source: str | None = None) -> go.Figure:
+    """The loaded checkpoint's speed/quality trade-off: effective k (x) against agreement with standard
+    decoding (top panel: the share of answers identical to standard decoding's) and the answers' mean
+    negative log-likelihood per token under the model, adapter off (bottom panel).
+
+    Args:
+        sweep: :mod:`model.evaluation.sweep`'s dict (``points`` with ``name``, ``tau``, ``k_max``,
+            ``effective_k``, ``agreement_with_standard``, ``nll_teacher``); None: no sweep yet (the figure
+            says how to measure one).
+        tau, k_max: the page's current tau (a star on the ConfAdapt curve of the nearest k_max,
+            :func:`tau_point`) and k_max box.
+        answers: this session's finished answers (:func:`app.runner.answer_point`): a point each at its
+            effective k, 1 (identical) or 0 (parted) on top, its NLL below.
+        source: ``"shipped"`` (the checkpoint's sweep.json) or ``"measured"`` (on this page), for the title.
+
+    Returns:
+        A ``go.Figure`` of two panels sharing the x axis; ConfAdapt points labelled with their tau,
+        lossless points as diamonds.
+    """
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
+                        subplot_titles=("Identical to standard decoding", "NLL per token under the model"))
+    for ann in fig.layout.annotations:
+        ann.update(x=0.0, xanchor="left", font={"size": 12})
+    points = list((sweep or {}).get("points", []))
+
+    def add(xs, ys_top, ys_bottom, *, name, colour, symbol, text=None, hover=None, mode="markers", size=10,
+            legend=True, dash=None, line=False, open_marker=False):
+        marker = {"color": colour, "symbol": symbol + ("-open" if open_marker else ""), "size": size,
+                  "line": {"width": 2 if open_marker else 0, "color": colour}}
+        common = {"mode": mode, "marker": marker, "name": name, "legendgroup": name, "hovertext": hover,
+                  "hoverinfo": "text" if hover else None}
+        if line:
+            common["line"] = {"color": colour, "dash": dash or "solid"}
+        fig.add_trace(go.Scatter(x=xs, y=ys_top, text=text, textposition="top right", showlegend=legend,
+                                 **common), row=1, col=1)
+        fig.add_trace(go.Scatter(x=xs, y=ys_bottom, showlegend=False, **common), row=2, col=1)
+
+    def hover_of(p: dict) -> str:
+        nll = p.get("nll_teacher")
+        return (f"{html.escape(str(p.get('label') or p.get('strategy')))}<br>effective k {p.get('effective_k', 0):.2f}"
+                f"<br>identical to standard: {100 * (p.get('agreement_with_standard') or 0):.0f}% of answers"
+                f"<br>NLL {'–' if nll is None else f'{nll:.3f}'} nats/token")
+
+    std = [p for p in points if p.get("name") == "standard"]
+    if std:
+        add([p["effective_k"] for p in std], [p["agreement_with_standard"] for p in std],
+            [p.get("nll_teacher") for p in std], name="standard decoding", colour=TRADEOFF_STANDARD,
+            symbol="square", hover=[hover_of(p) for p in std])
+    ca = [p for p in points if p.get("name") == "confadapt" and p.get("tau") is not None]
+    for k in sorted({p.get("k_max") or 0 for p in ca}):
+        curve = sorted((p for p in ca if (p.get("k_max") or 0) == k), key=lambda p: -p["tau"])
+        add([p["effective_k"] for p in curve], [p["agreement_with_standard"] for p in curve],
+            [p.get("nll_teacher") for p in curve], name=f"ConfAdapt k_max={k} (tau)", colour=TRADEOFF_CONFADAPT,
+            symbol="circle", mode="lines+markers+text", text=[f"{p['tau']:g}" for p in curve],
+            hover=[hover_of(p) for p in curve], line=True, size=8)
+    for name, colour, symbol, title in (("verify", TRADEOFF_VERIFY, "diamond", "lossless"),
+                                        ("static", TRADEOFF_STATIC, "triangle-up", "static k")):
+        group = [p for p in points if p.get("name") == name]
+        if group:
+            add([p["effective_k"] for p in group], [p["agreement_with_standard"] for p in group],
+                [p.get("nll_teacher") for p in group], name=title, colour=colour, symbol=symbol, size=12,
+                mode="markers+text" if name == "verify" else "markers",
+                text=[f"k_max {p.get('k_max')}" + ("" if str(p.get("strategy", "")).count(":") < 2 else
+                                                    f" {str(p['strategy']).split(':')[2]}") for p in group]
+                if name == "verify" else None, hover=[hover_of(p) for p in group])
+    now = tau_point(sweep, tau, k_max)
+    if now is not None and now.get("effective_k") is not None:
+        where = "" if now["inside"] else " (outside the measured taus: the nearest end)"
+        add([now["effective_k"]], [now["agreement_with_standard"]], [now["nll_teacher"]],
+            name=f"tau {now['tau']:g} now", colour=TRADEOFF_NOW, symbol="star", size=16,
+            hover=[f"the tau box: {now['tau']:g}{where}<br>effective k ≈ {now['effective_k']:.2f}"])
+    done = [a for a in answers if a.get("effective_k") is not None]
+    for ok, colour, title in ((True, ANSWER_IDENTICAL, "your answers: identical"),
+                              (False, ANSWER_PARTED, "your answers: parted")):
+        group = [a for a in done if bool(a.get("identical")) == ok]
+        if group:
+            hover = [f"turn {a.get('turn')}: {html.escape(str(a.get('label')))}<br>effective k "
+                     f"{a['effective_k']:.2f}<br>"
+                     + ("identical to standard decoding" if ok else f"parts at token {(a.get('parted_at') or 0) + 1}")
+                     + (f"<br>NLL {a['nll']:.3f} (standard {a['standard_nll']:.3f})"
+                        if a.get("nll") is not None and a.get("standard_nll") is not None else "")
+                     + ("<br>degenerates into repetition" if a.get("repeats") else "") for a in group]
+            add([a["effective_k"] for a in group], [1.0 if ok else 0.0 for a in group],
+                [a.get("nll") for a in group], name=title, colour=colour, symbol="circle", size=11,
+                open_marker=True, hover=hover)
+    if sweep:
+        bits = [str(sweep.get("model") or "")]
+        if sweep.get("n_prompts"):
+            bits.append(f"{sweep['n_prompts']} prompts")
+        if sweep.get("max_new_tokens"):
+            bits.append(f"{sweep['max_new_tokens']} tokens each")
+        if source:
+            bits.append("shipped with the checkpoint" if source == "shipped" else "measured on this page")
+        title = "Speed vs quality<br><sup>" + html.escape(", ".join(b for b in bits if b)) + "</sup>"
+    else:
+        title = "Speed vs quality<br><sup>no measured trade-off for this checkpoint yet</sup>"
+        fig.add_annotation(text="No sweep yet: press<br>“Measure the trade-off”", xref="paper", yref="paper", x=0.5,
+                           y=0.55, showarrow=False, font={"size": 13})
+    fig.update_yaxes(title_text="share", range=[-0.08, 1.12], tickformat=".0%", row=1, col=1)
+    fig.update_yaxes(title_text="nats/token", row=2, col=1)
+    fig.update_xaxes(title_text="effective k (tokens per pass)", row=2, col=1)
+    fig.update_layout(title={"text": title, "x": 0.0, "xanchor": "left", "font": {"size": 14}}, height=620,
+                      autosize=True, margin=dict(l=55, r=10, t=70, b=150), hovermode="closest",
+                      legend=dict(orientation="h", x=0.0, xanchor="left", y=-0.16, yanchor="top",
+                                  font={"size": 11}))
     return fig

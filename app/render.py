@@ -19,7 +19,8 @@ from model.engine.loaded_model import LoadedModel
 from model.engine.decoding import GenerationResult, PassRecord
 from model.engine.strategies import Strategy
 
-from .runner import SpeedEstimate, TurnState
+from .device import LosslessShape, WidthProfile
+from .runner import SideTiming, SpeedEstimate, TurnState, side_timing
 
 # ---------------------------------------------------------------------------- text
 #: A fence line (```lang), with the line break before it and its own: those belong to the fence, so
@@ -96,44 +97,76 @@ def _bubble(role: str, text: str, cursor: bool = False) -> str:
 
 
 # ---------------------------------------------------------------------------- counters
-#: Counter name -> what it means (the page shows these as tooltips and in a caption).
+#: Counter name -> what it means (the page shows these as tooltips and in a caption). The timing counters
+#: follow the page's one timing method (:data:`TIMING_HELP`); "measured s" is the other measure, named so.
 COUNTER_HELP = {
     "tokens": "tokens generated so far",
     "passes": "forward passes of the model (the first one reads the whole prompt)",
-    "eff. k": "effective k: tokens per forward pass",
-    "total s": "seconds: the sum of this side's own forward passes (each timed alone)",
+    "eff. k": "effective k: tokens per forward pass (vLLM and llama.cpp call it the mean acceptance length)",
     "prefill ms": "the first forward pass: the prompt (plus masks on the MTP side)",
-    "ms/pass": "median time of one forward pass after the prefill",
-    "tok/s": "tokens per second of this side's own forward passes",
+    "ms/pass": ("this side's typical later pass: for standard decoding the median pass, for MTP that median × the "
+                "median ratio of paired passes (How speed is measured)"),
+    "time s": "prefill + (passes − 1) × ms/pass: this side's time by the page's one timing method",
+    "tok/s": "tokens ÷ time s; the headline is the MTP side's tok/s ÷ the standard side's",
+    "measured s": ("a different measure: the plain sum of this side's own pass times, load spikes included "
+                   "(the race chart)"),
+}
+#: Lossless verification's acceptance counters, named as vLLM and llama.cpp name them.
+VERIFY_COUNTER_HELP = {
+    "acc. rate": "draft acceptance rate (vLLM, llama.cpp): drafts accepted ÷ drafts checked",
+    "by position": ("acceptance by draft position (vLLM's per-position acceptance rate): the share of passes that "
+                    "accepted draft 1, 2, 3, … (a draft after a rejected one counts as rejected)"),
 }
 
 
-def counters(result: GenerationResult | None) -> dict[str, str]:
-    """The counters of one side as display strings, keyed as :data:`COUNTER_HELP`."""
+def _num(x: float | None, fmt: str) -> str:
+    return "–" if x is None or not math.isfinite(x) else format(x, fmt)
+
+
+def counters(result: GenerationResult | None, timing: SideTiming | None = None, *, verifies: bool = False
+             ) -> dict[str, str]:
+    """The counters of one side as display strings, keyed as :data:`COUNTER_HELP` (and
+    :data:`VERIFY_COUNTER_HELP` when ``verifies``).
+
+    Args:
+        result: the side's generation so far.
+        timing: the side's :class:`app.runner.SideTiming` from the turn's speed estimate (None: the method
+            applied to this side alone, its own median pass).
+    """
+    keys = list(COUNTER_HELP) + (list(VERIFY_COUNTER_HELP) if verifies else [])
     if result is None or not result.passes:
-        return {k: "–" for k in COUNTER_HELP}
-    decode = [p.seconds for p in result.passes[1:]]
-    return {
+        return {k: "–" for k in keys}
+    t = timing or side_timing(result.passes)
+    out = {
         "tokens": f"{result.new_tokens}",
         "passes": f"{result.forward_passes}",
         "eff. k": f"{result.effective_k:.2f}",
-        "total s": f"{result.seconds:.2f}",
-        "prefill ms": f"{1000 * result.passes[0].seconds:.0f}",
-        "ms/pass": f"{1000 * statistics.median(decode):.0f}" if decode else "–",
-        "tok/s": f"{result.tokens_per_second:.1f}",
+        "prefill ms": f"{1000 * t.prefill:.0f}",
+        "ms/pass": _num(None if t.per_pass is None else 1000 * t.per_pass, ".0f"),
+        "time s": f"{t.seconds:.2f}",
+        "tok/s": f"{t.tokens_per_second:.1f}",
+        "measured s": f"{t.measured:.2f}",
     }
+    if verifies:
+        out["acc. rate"] = _num(result.draft_acceptance_rate, ".2f")
+        by_pos = result.acceptance_by_position
+        out["by position"] = " / ".join(_num(a, ".2f") for a in by_pos) if by_pos else "–"
+    return out
 
 
-def counters_html(result: GenerationResult | None, *, side: str, label: str, state: str) -> str:
+def counters_html(result: GenerationResult | None, *, side: str, label: str, state: str,
+                  timing: SideTiming | None = None, verifies: bool = False) -> str:
     """The counters under a pane: a wrapping row of label / value cells (never wrapped inside).
 
     Args:
         state: ``waiting``, ``running``, ``done``, ``stopped``, ``cleared`` or ``error``.
+        timing, verifies: see :func:`counters`.
     """
+    helps = {**COUNTER_HELP, **VERIFY_COUNTER_HELP}
     cells = "".join(
-        f'<div class="mtp-counter" data-name="{esc(k)}" title="{esc(COUNTER_HELP[k])}">'
+        f'<div class="mtp-counter" data-name="{esc(k)}" title="{esc(helps[k])}">'
         f'<span class="mtp-counter-name">{esc(k)}</span><span class="mtp-counter-value">{esc(v)}</span></div>'
-        for k, v in counters(result).items())
+        for k, v in counters(result, timing, verifies=verifies).items())
     state_text = {"running": "running…", "waiting": "waiting"}.get(state, state)
     return (f'<div class="mtp-counters" data-side="{side}" data-state="{esc(state)}">'
             f'<div class="mtp-counters-head"><b>{esc(label)}</b> · <span class="mtp-state">{esc(state_text)}</span>'
@@ -142,8 +175,28 @@ def counters_html(result: GenerationResult | None, *, side: str, label: str, sta
 
 def counters_caption() -> str:
     """One line that explains the counters (also their tooltips)."""
-    parts = "; ".join(f"<b>{esc(k)}</b>: {esc(v)}" for k, v in COUNTER_HELP.items())
+    parts = "; ".join(f"<b>{esc(k)}</b>: {esc(v)}" for k, v in {**COUNTER_HELP, **VERIFY_COUNTER_HELP}.items())
     return f'<details class="mtp-caption"><summary>What the counters mean</summary><p>{parts}.</p></details>'
+
+
+#: The page's one timing method, said once ("How speed is measured").
+TIMING_HELP = (
+    "Every forward pass is timed alone: passes of all sessions run one at a time, device synchronised, and the "
+    "two sides alternate pass by pass (ABBA), so neither always runs first. A side's <b>time</b> is its first "
+    "pass (the prompt) plus its other passes at its typical pass: the median standard pass, and for MTP that "
+    "median × the median ratio of paired passes (pass i of each side ran back to back, so load hits both "
+    "alike). <b>tok/s</b> = tokens ÷ time, and the <b>headline</b> is the MTP side's tok/s ÷ the standard side's, "
+    "with a 90% interval from resampling the pairs. The counters' prefill ms, ms/pass, time s and tok/s are "
+    "these figures. Different measures, labelled as such: <b>measured s</b>, the <b>race chart</b> and the "
+    "headline's \u201cmeasured sums\u201d are the plain sums of each side's own pass times (a load spike on one "
+    "side shows there, not in the headline); the per-pass table lists each pass's own time; the status line's "
+    "wall-clock seconds count both sides, the rendering and the two scoring passes.")
+
+
+def timing_html() -> str:
+    """The "How speed is measured" text (shown once, under the headline)."""
+    return (f'<details class="mtp-caption mtp-timing"><summary>How speed is measured</summary>'
+            f"<p>{TIMING_HELP}</p></details>")
 
 
 # ---------------------------------------------------------------------------- speed
@@ -162,18 +215,62 @@ def _interval_text(low: float, high: float) -> str:
     return f"{one(low)} to {one(high)}"
 
 
+#: NLL differences (nats per token) smaller than this read as "equally likely".
+NLL_TIE = 0.005
+
+
+def headline(state: TurnState) -> tuple[str, bool]:
+    """The speed and its cost in one sentence, and whether it is a warning.
+
+    A warning whenever the MTP answer parts from standard decoding's and is less likely under the model,
+    or degenerates into repetition: such an answer never reads as a plain win. Before both sides are
+    scored the sentence says how the answers agree so far.
+
+    Returns:
+        ``(sentence, warn)``, e.g. ``("ConfAdapt tau=0.90 k_max=4: 1.32× faster, identical answer.", False)``.
+    """
+    label, sp = state.strategy.label, state.speed
+    if sp is None:
+        return f"{label} vs standard decoding: waiting for both sides’ first tokens…", False
+    speed = times_text(sp.ratio)
+    q, parted, warn = state.quality, state.parted_at, False
+    if state.identical and state.final:
+        cost = "identical answer" + (" (lossless)" if state.strategy.verifies else "")
+    elif parted is None:
+        n = min(len(state.standard.token_ids), len(state.mtp.token_ids))
+        cost = f"identical so far (the first {n} tokens)"
+    elif q is None or q.gap is None:
+        cost = f"the answer parts at token {parted + 1}" + ("" if state.final else " (quality once both are done)")
+    elif q.gap > NLL_TIE:
+        cost = (f"but the answer parts at token {parted + 1} and is {q.gap:.2f} nats/token less likely under the "
+                f"model ({q.mtp_nll:.2f} vs {q.standard_nll:.2f})")
+        warn = True
+    elif q.gap < -NLL_TIE:
+        cost = (f"the answer parts at token {parted + 1} and is {-q.gap:.2f} nats/token more likely under the model "
+                f"({q.mtp_nll:.2f} vs {q.standard_nll:.2f})")
+    else:
+        cost = (f"the answer parts at token {parted + 1}, equally likely under the model ({q.mtp_nll:.2f} vs "
+                f"{q.standard_nll:.2f})")
+    if q is not None and q.mtp_repeats:
+        warn = True
+        cost += (", and both answers degenerate into repetition" if q.standard_repeats
+                 else ", but its answer degenerates into repetition")
+    elif q is not None and q.standard_repeats:
+        cost += ", though standard decoding's answer degenerates into repetition"
+    return f"{label}: {speed}, {cost}.", warn
+
+
 def speed_html(state: TurnState | None) -> str:
-    """The headline: how fast the MTP side ran compared with standard decoding, with its uncertainty,
-    effective k and the cost of one pass, and whether the answers agree."""
+    """The headline (:func:`headline`, styled as a warning when it is one), then the details: what the ratio
+    measures, its uncertainty, effective k and the cost of one pass, the plain sums, how the answers agree
+    and each answer's likelihood under the model."""
     if state is None:
         return ""
     sp: SpeedEstimate | None = state.speed
-    label = state.strategy.label
+    sentence, warn = headline(state)
     if sp is None:
-        return f'<div class="mtp-speed">{esc(label)} vs standard: waiting for both sides’ first tokens…</div>'
+        return f'<div class="mtp-speed" data-warn="0"><b>{esc(sentence)}</b></div>'
     what = "wall-clock speed" if sp.same_length else "speed in tokens per second (the answers differ in length)"
-    head = f"<b>{esc(label)}: {esc(times_text(sp.ratio))} than standard decoding</b>" if round(sp.ratio, 2) != 1.0 \
-        else f"<b>{esc(label)}: {esc(times_text(sp.ratio))} as standard decoding</b>"
     bits = [f"{what}"]
     if sp.low is not None and sp.high is not None:
         bits.append(f"90% interval {_interval_text(sp.low, sp.high)} over {sp.pairs} alternating pairs of passes")
@@ -187,7 +284,7 @@ def speed_html(state: TurnState | None) -> str:
                     "pass (medians)")
     else:
         bits.append(f"effective k {k:.2f}")
-    bits.append(f"from the plain sums of pass times, which load spikes skew: {times_text(sp.raw_ratio)}")
+    bits.append(f"measured sums (race chart; load spikes skew them): {times_text(sp.raw_ratio)}")
     verifies = state.turn.strategy.verifies
     parted = state.parted_at
     if state.identical:
@@ -198,8 +295,16 @@ def speed_html(state: TurnState | None) -> str:
     else:
         agree = _parting(state, parted) if verifies else "the answers differ"
     bits.append(agree)
-    return (f'<div class="mtp-speed" data-ratio="{sp.ratio:.4f}">{head} ({"; ".join(esc(b) for b in bits)}).'
-            "</div>")
+    q = state.quality
+    if q is not None and (q.standard_nll is not None or q.mtp_nll is not None):
+        bits.append(f"negative log-likelihood per token under the model (adapter off; one scoring pass per answer, "
+                    f"not timed): standard {_num(q.standard_nll, '.2f')}, MTP {_num(q.mtp_nll, '.2f')}")
+    cls = "mtp-speed mtp-warn" if warn else "mtp-speed"
+    mark = '<span class="mtp-warn-mark" aria-hidden="true">⚠️ </span>' if warn else ""
+    role = ' role="alert"' if warn and state.final else ""
+    return (f'<div class="{cls}" data-ratio="{sp.ratio:.4f}" data-warn="{int(warn)}"{role}>'
+            f'<div class="mtp-headline">{mark}<b>{esc(sentence)}</b></div>'
+            f'<div class="mtp-speed-details">{"; ".join(esc(b) for b in bits)}.</div></div>')
 
 
 def _parting(state: TurnState, i: int) -> str:
@@ -354,9 +459,57 @@ STRATEGY_HELP = {
 }
 
 
-def strategy_help_html(choice: str) -> str:
-    """The explanation line for the chosen strategy."""
-    return f'<div class="mtp-strategy-help">{STRATEGY_HELP.get(choice, "")}</div>'
+def strategy_help_html(choice: str, shape_line: str = "") -> str:
+    """The explanation line for the chosen strategy (for lossless, then the shape line: :func:`shape_text`)."""
+    extra = f'<div class="mtp-shape">{esc(shape_line)}</div>' if shape_line and choice == "lossless" else ""
+    return f'<div class="mtp-strategy-help">{STRATEGY_HELP.get(choice, "")}{extra}</div>'
+
+
+def width_text(profile: WidthProfile, width: int = 4, *, where: bool = True) -> str:
+    """``a pass of 4 tokens costs 1.80× a pass of 1 here (float32, cpu)`` (without the place when not ``where``)."""
+    text = f"a pass of {width} tokens costs {profile.ratio(width):.2f}× a pass of 1"
+    return f"{text} here ({profile.dtype}, {profile.device})" if where else text
+
+
+def _acceptance_text(shape: LosslessShape) -> str:
+    acc = " / ".join(f"{a:.2f}" for a in shape.acceptance[:4]) + (" / …" if len(shape.acceptance) > 4 else "")
+    return f"acceptance by draft position {acc}, {shape.source}"
+
+
+def shape_text(shape: LosslessShape | None, profile: WidthProfile | None, shape_choice: str = "fastest here",
+               k_max: Any = None, error: str | None = None) -> str:
+    """Which shape lossless turns run, and why, in one line.
+
+    Args:
+        shape: the fastest shape within the k_max box (:meth:`app.device.ModelFacts.shape`), or None.
+        profile: the device's width profile (None: not measured yet).
+        shape_choice: the page's shape control (``fastest here``, ``linear``, ``full tree``).
+        k_max: the k_max box (the limit).
+        error: why the width profile could not be measured.
+    """
+    if shape_choice != "fastest here":
+        return (f"Shape: {shape_choice} at k_max {k_max if k_max is not None else 'as set'}, as chosen (\u201cfastest "
+                "here\u201d fits it to this device).")
+    if shape is None or profile is None:
+        why = f"the width cost could not be measured ({error})" if error else "the width cost is not measured yet"
+        return f"Shape: linear at the k_max box, because {why}."
+    gain = ("no draft pays for its width here, so lossless runs as standard decoding" if shape.k_max <= 1
+            else f"expected {shape.speedup:.2f}× standard decoding's speed here")
+    return (f"Shape: {shape.describe()} (k_max box {shape.limit} is the upper bound): {gain}, from this device's "
+            f"width cost ({width_text(profile)}) and the {_acceptance_text(shape)}.")
+
+
+def device_note_html(profile: WidthProfile | None, shape: LosslessShape | None) -> str:
+    """Before the first answer, on a CPU without native bf16: why MTP cannot be fast here, the measured width
+    cost, and the fastest lossless setting (the page's button applies it). Empty elsewhere."""
+    if profile is None or not profile.slow_width:
+        return ""
+    best = ("standard decoding itself (k_max 1): no draft pays for its width here" if shape is None or shape.k_max <= 1
+            else f"{shape.describe()}, expected {shape.speedup:.2f}× standard decoding's speed")
+    return ('<div class="mtp-device-note" role="note"><b>MTP cannot be fast on this device:</b> '
+            f"{esc(width_text(profile))}. MTP gains only where a pass over several tokens costs about what a "
+            "one-token pass costs (a GPU, or a CPU with native bf16); this CPU has no native bf16, so expect the "
+            f"MTP side to run slower than standard decoding. Fastest lossless setting here: {esc(best)}.</div>")
 
 
 def status_html(text: str, *, kind: str = "info") -> str:
@@ -372,8 +525,8 @@ def turn_status(state: TurnState) -> tuple[str, str]:
     if state.phase == "running":
         return f"Turn {n}: running standard vs {label} on {src}…", "info"
     if state.phase == "done":
-        return (f"Turn {n}: done in {state.wall_seconds:.1f} s wall-clock (both sides, passes alternating).",
-                "info")
+        return (f"Turn {n}: done in {state.wall_seconds:.1f} s wall-clock (both sides, passes alternating, and one "
+                "scoring pass per answer).", "info")
     if state.phase == "stopped":
         return (f"⏹ Turn {n}: stopped after {state.standard.new_tokens} standard and {state.mtp.new_tokens} MTP "
                 "tokens. The partial answers stay in the conversation; send a new message to continue.", "info")
@@ -383,7 +536,11 @@ def turn_status(state: TurnState) -> tuple[str, str]:
 
 
 def summary(state: TurnState | None, *, status: str = "", kind: str = "info") -> dict:
-    """A plain, strict-JSON summary of a turn for API clients (texts, counters, speed, state)."""
+    """A plain, strict-JSON summary of a turn for API clients: texts, counters, speed (``speed.ratio`` is the
+    headline's; each side's ``timing`` holds the page's one timing method, its ``seconds`` and
+    ``tokens_per_second`` the plain sums), ``headline`` and ``warning``, the first token where the answers
+    part (``parted_at``, 0-based, None when they do not), each answer's ``quality`` (mean NLL per token
+    under the model, repetition), lossless acceptance figures and the chosen ``shape``, and the state."""
     if state is None:
         return {"phase": "error" if kind == "error" else "idle", "status": status}
 
@@ -400,7 +557,38 @@ def summary(state: TurnState | None, *, status: str = "", kind: str = "info") ->
         "high": None if sp.high is None else round(sp.high, 4), "pairs": sp.pairs,
         "pass_cost": None if sp.pass_cost is None else round(sp.pass_cost, 4), "raw_ratio": round(sp.raw_ratio, 4),
         "same_length": sp.same_length, "text": times_text(sp.ratio)}
-    return {"phase": state.phase, "status": status, "turn": state.turn.number, "error": state.error,
-            "model": state.turn.lm.source, "prompt_tokens": len(state.turn.prompt_ids),
-            "max_new_tokens": state.turn.max_new_tokens, "standard": side(state.standard, "standard"),
-            "mtp": side(state.mtp, state.strategy.spec), "identical": state.identical, "speed": speed}
+    q = state.quality
+    quality = None if q is None else {
+        "standard_nll": None if q.standard_nll is None else round(q.standard_nll, 4),
+        "mtp_nll": None if q.mtp_nll is None else round(q.mtp_nll, 4),
+        "nll_gap": None if q.gap is None else round(q.gap, 4),
+        "standard_repeats": q.standard_repeats, "mtp_repeats": q.mtp_repeats,
+        "units": "mean negative log-likelihood per token (nats) under the model, adapter off"}
+    out = {"phase": state.phase, "status": status, "turn": state.turn.number, "error": state.error,
+           "model": state.turn.lm.source, "prompt_tokens": len(state.turn.prompt_ids),
+           "max_new_tokens": state.turn.max_new_tokens, "standard": side(state.standard, "standard"),
+           "mtp": side(state.mtp, state.strategy.spec), "identical": state.identical,
+           "parted_at": state.parted_at, "quality": quality, "speed": speed}
+    if sp is not None:
+        out["standard"]["timing"] = _timing_dict(sp.standard)
+        out["mtp"]["timing"] = _timing_dict(sp.mtp)
+        out["headline"], out["warning"] = headline(state)
+    if state.strategy.verifies:
+        out["mtp"].update({"mean_acceptance_length": round(state.mtp.mean_acceptance_length, 4),
+                           "draft_acceptance_rate": state.mtp.draft_acceptance_rate,
+                           "acceptance_by_position": state.mtp.acceptance_by_position})
+    if state.turn.shape is not None:
+        sh = state.turn.shape
+        out["shape"] = {"k_max": sh.k_max, "layout": sh.layout, "expected_ratio": round(sh.speedup, 4),
+                        "acceptance_by_position": list(sh.acceptance), "acceptance_source": sh.source,
+                        "k_max_limit": sh.limit}
+    return out
+
+
+def _timing_dict(t: SideTiming | None) -> dict | None:
+    """A side's timing by the page's one method (seconds), for the summary."""
+    if t is None:
+        return None
+    return {"prefill_s": round(t.prefill, 6), "pass_s": None if t.per_pass is None else round(t.per_pass, 6),
+            "seconds": round(t.seconds, 6), "tokens_per_second": round(t.tokens_per_second, 3),
+            "measured_s": round(t.measured, 6)}

@@ -1,5 +1,6 @@
-"""The pass figure (app/figures.py): one frame per forward pass, its colours telling drafts accepted,
-rejected and the model's own token apart (lossless), no tau line when verifying."""
+"""The figures (app/figures.py): the pass figure, one frame per forward pass, its colours telling drafts
+accepted, rejected and the model's own token apart and marking the mask block used (lossless), no tau line
+when verifying; the trade-off figure of a checkpoint's sweep, the tau marker and the session's answers."""
 
 from __future__ import annotations
 
@@ -34,3 +35,76 @@ def test_lossless_turn_equals_standard_and_its_figure_marks_the_drafts(registry)
         assert heights[: rec.fed_drafts] == rec.draft_confidences  # the model's confidence at each draft's place
     assert "shapes" not in fig["layout"] or not fig["layout"]["shapes"]  # no tau line when verifying
     assert any(r.correction is not None for r in last.mtp.passes) or any(r.drafts_accepted for r in last.mtp.passes)
+
+
+def test_lossless_frames_show_every_mask_block_and_mark_the_one_used(tiny_registry):
+    """A tree layout feeds a block of masks after several draft prefixes; the frame draws each block's proposals
+    and marks the one that followed the accepted drafts (its proposals are the next pass's drafts)."""
+    last = finish(prepare_turn(tiny_registry, "Count to ten.", [], "lossless", 0.9, 3, 3, 16, ("tiny", "none"),
+                               "full tree"))[1]
+    assert last.strategy.layout == "full" and last.identical
+    fig = figures.passes_figure(last.mtp.passes, last.strategy)
+    for rec, frame in zip(last.mtp.passes, fig["frames"]):
+        bars = frame["data"][1]
+        colours, hover = bars["marker"]["color"], bars["hovertext"]
+        used = 1 if rec.next_drafts else 0
+        assert colours.count(figures.NEW_DRAFT) == used * (last.strategy.k_max - 1)
+        assert colours.count(figures.UNUSED_BLOCK) == (len(rec.mask_blocks) - used) * (last.strategy.k_max - 1)
+        shown = [h for h, c in zip(hover, colours) if c == figures.NEW_DRAFT]
+        assert all("used: it followed the accepted drafts" in h for h in shown)
+        if used:
+            texts = [x.split(":", 1)[1] for x, c in zip(bars["x"], colours) if c == figures.NEW_DRAFT]
+            assert texts == [figures._token_label(t) for t in rec.block_texts[rec.mask_blocks.index(
+                rec.drafts_accepted)]]
+        patterns = bars["marker"]["pattern"]["shape"]
+        assert [p == "/" for p in patterns] == [c == figures.UNUSED_BLOCK for c in colours]
+    assert any(len(r.mask_blocks) > 1 for r in last.mtp.passes)  # a tree, drawn as one
+
+
+SWEEP = {"model": "m", "n_prompts": 5, "max_new_tokens": 48, "points": [
+    {"strategy": "standard", "name": "standard", "label": "standard", "tau": None, "k_max": 1, "effective_k": 1.0,
+     "agreement_with_standard": 1.0, "nll_teacher": 0.40},
+    {"strategy": "confadapt:0.5:4", "name": "confadapt", "label": "ConfAdapt tau=0.50 k_max=4", "tau": 0.5, "k_max": 4,
+     "effective_k": 2.2, "agreement_with_standard": 0.2, "nll_teacher": 0.9},
+    {"strategy": "confadapt:0.9:4", "name": "confadapt", "label": "ConfAdapt tau=0.90 k_max=4", "tau": 0.9, "k_max": 4,
+     "effective_k": 1.4, "agreement_with_standard": 0.8, "nll_teacher": 0.5},
+    {"strategy": "verify:4", "name": "verify", "label": "lossless verify k_max=4", "tau": None, "k_max": 4,
+     "effective_k": 1.7, "agreement_with_standard": 1.0, "nll_teacher": 0.40, "acceptance_by_position": [0.6, 0.4, 0.2]},
+]}
+
+
+def test_tau_point_interpolates_along_the_confadapt_curve():
+    p = figures.tau_point(SWEEP, 0.7, 4)
+    assert p["inside"] and p["effective_k"] == pytest.approx(1.8) and p["agreement_with_standard"] == pytest.approx(0.5)
+    assert p["nll_teacher"] == pytest.approx(0.7)
+    assert figures.tau_point(SWEEP, 0.9)["effective_k"] == pytest.approx(1.4)
+    out = figures.tau_point(SWEEP, 0.99)
+    assert not out["inside"] and out["effective_k"] == pytest.approx(1.4)  # the nearest end, said so
+    assert figures.tau_point(SWEEP, None) is None and figures.tau_point(None, 0.9) is None
+    assert figures.tau_point(SWEEP, "abc") is None
+
+
+def test_tradeoff_figure_labels_taus_marks_lossless_tau_and_the_sessions_answers():
+    answers = [{"turn": 1, "label": "ConfAdapt tau=0.90 k_max=4", "effective_k": 1.3, "identical": True, "nll": 0.4,
+                "standard_nll": 0.4, "parted_at": None},
+               {"turn": 2, "label": "static k=3", "effective_k": 3.0, "identical": False, "nll": 1.2,
+                "standard_nll": 0.4, "parted_at": 4, "repeats": True}]
+    fig = figures.tradeoff_figure(SWEEP, tau=0.7, k_max=4, answers=answers, source="shipped")
+    by_name = {}
+    for t in fig.data:
+        by_name.setdefault(t.name, []).append(t)
+    curve_top, curve_bottom = by_name["ConfAdapt k_max=4 (tau)"]
+    assert list(curve_top.text) == ["0.9", "0.5"] and list(curve_top.y) == [0.8, 0.2]
+    assert list(curve_bottom.y) == [0.5, 0.9] and curve_bottom.xaxis == "x2"
+    lossless = by_name["lossless"][0]
+    assert lossless.marker.symbol == "diamond" and list(lossless.x) == [1.7] and "k_max 4" in lossless.text[0]
+    star = by_name["tau 0.7 now"][0]
+    assert star.marker.symbol == "star" and list(star.x) == [pytest.approx(1.8)]
+    same, parted = by_name["your answers: identical"][0], by_name["your answers: parted"][0]
+    assert list(same.y) == [1.0] and list(parted.y) == [0.0] and list(by_name["your answers: parted"][1].y) == [1.2]
+    assert "parts at token 5" in parted.hovertext[0] and "repetition" in parted.hovertext[0]
+    assert "shipped with the checkpoint" in fig.layout.title.text
+    empty = figures.tradeoff_figure(None, tau=0.9)
+    assert "no measured trade-off" in empty.layout.title.text
+    assert any("Measure the trade-off" in a.text for a in empty.layout.annotations)
+    assert "tau 0.9 now" not in {t.name for t in empty.data}

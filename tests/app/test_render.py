@@ -118,3 +118,130 @@ def test_block_colours_keep_text_readable():
     for colour in render.KEPT_COLOURS:
         hi, lo = sorted((_luminance(colour), _luminance(render.TEXT_ON_COLOUR)), reverse=True)
         assert (hi + 0.05) / (lo + 0.05) >= 7.0, colour
+
+
+# ------------------------------------------------------------- quality beside speed
+def _state(std_ids, mtp_ids, strategy, quality=None, phase="done", std_ms=50.0, mtp_ms=55.0, per_pass=2):
+    """A TurnState from token ids alone: standard one token per pass, MTP ``per_pass`` tokens per pass."""
+    from types import SimpleNamespace
+
+    from app.runner import Turn, TurnState
+    from model.engine.decoding import GenerationResult, PassRecord
+
+    def result(ids, width, ms, spec):
+        passes = []
+        for i in range(0, len(ids), width):
+            kept = ids[i:i + width]
+            passes.append(PassRecord(index=len(passes), fed_real=1, fed_masks=width - 1, proposals=list(kept),
+                                     proposal_texts=["t"] * len(kept), confidences=[0.9] * len(kept), kept=list(kept),
+                                     text="t" * len(kept), accepted=len(kept), seconds=ms / 1000))
+        return GenerationResult(text="".join(f"<{t}>" for t in ids), token_ids=list(ids), passes=passes, strategy=spec)
+
+    lm = SimpleNamespace(source="synthetic", dtype=torch.float32)
+    turn = Turn(lm=lm, strategy=strategy, max_new_tokens=64, history=[], message="hi", prompt_ids=[1, 2, 3], number=1)
+    return TurnState(turn, result(std_ids, 1, std_ms, "standard"), result(mtp_ids, per_pass, mtp_ms, strategy.spec),
+                     True, True, phase, quality=quality)
+
+
+def test_headline_states_speed_and_its_cost_in_one_sentence():
+    from app.runner import Quality
+    from model.engine.strategies import confadapt, static_k, verify
+
+    same = list(range(20))
+    line, warn = render.headline(_state(same, same, confadapt(0.9, 4), Quality(0.41, 0.41)))
+    assert re.fullmatch(r"ConfAdapt tau=0\.90 k_max=4: [0-9.]+× faster, identical answer\.", line) and not warn
+    assert render.headline(_state(same, same, verify(4), Quality(0.41, 0.41)))[0].endswith(
+        "identical answer (lossless).")
+    parted = same[:11] + [99] * 9
+    line, warn = render.headline(_state(same, parted, static_k(3), Quality(0.41, 1.26), per_pass=3))
+    assert warn and line.startswith("static k=3: ") and "faster, but the answer parts at token 12 and is 0.85 " \
+        "nats/token less likely under the model (1.26 vs 0.41)." in line
+    line, warn = render.headline(_state(same, parted, static_k(3), Quality(0.41, 0.30), per_pass=3))
+    assert not warn and "the answer parts at token 12 and is 0.11 nats/token more likely under the model (0.30 vs " \
+        "0.41)." in line
+    line, warn = render.headline(_state(same, parted, static_k(3), Quality(0.41, 0.412), per_pass=3))
+    assert not warn and "equally likely under the model (0.41 vs 0.41)" in line
+    # a degenerate answer never reads as a plain win, even when faster and likelier
+    line, warn = render.headline(_state(same, parted, static_k(3), Quality(0.41, 0.10, False, True), per_pass=3))
+    assert warn and line.endswith(", but its answer degenerates into repetition.") and "faster" in line
+    line, warn = render.headline(_state(same, same, static_k(3), Quality(0.2, 0.2, True, True), per_pass=3))
+    assert warn and "identical answer, and both answers degenerate into repetition" in line
+    # while running: how they agree so far, no quality yet
+    line, warn = render.headline(_state(same[:6], same[:8], confadapt(0.9, 4), None, phase="running"))
+    assert line.endswith("identical so far (the first 6 tokens).") and not warn
+    line, _ = render.headline(_state(same[:6], parted[:12], confadapt(0.9, 4), None, phase="running"))
+    assert "parts at token 12 (quality once both are done)" not in line and "identical so far" in line
+    assert "the answer parts at token 12 (quality once both are done)" in render.headline(
+        _state(same[:14], parted[:14], confadapt(0.9, 4), None, phase="running"))[0]
+    # the page: one sentence in bold, the warning styled as one, details after it
+    html = render.speed_html(_state(same, parted, static_k(3), Quality(0.41, 1.26), per_pass=3))
+    assert 'class="mtp-speed mtp-warn"' in html and 'data-warn="1"' in html and 'role="alert"' in html
+    assert html.count("<b>") == 1 and "standard 0.41, MTP 1.26" in html and "not timed" in html
+    assert 'data-warn="0"' in render.speed_html(_state(same, same, confadapt(0.9, 4), Quality(0.4, 0.4)))
+
+
+def test_summary_holds_quality_parting_and_timing():
+    from app.runner import Quality
+    from model.engine.strategies import static_k
+
+    same = list(range(20))
+    state = _state(same, same[:11] + [99] * 9, static_k(3), Quality(0.41, 1.26, False, True), per_pass=3)
+    out = render.summary(state, status="done")
+    json.dumps(out, allow_nan=False)  # strict JSON
+    assert out["parted_at"] == 11 and out["identical"] is False
+    assert out["quality"]["standard_nll"] == 0.41 and out["quality"]["mtp_nll"] == 1.26
+    assert out["quality"]["nll_gap"] == pytest.approx(0.85) and out["quality"]["mtp_repeats"] is True
+    assert out["warning"] is True and out["headline"] == render.headline(state)[0]
+    t_std, t_mtp = out["standard"]["timing"], out["mtp"]["timing"]
+    assert out["speed"]["ratio"] == pytest.approx(t_mtp["tokens_per_second"] / t_std["tokens_per_second"], rel=1e-3)
+    for side in (out["standard"], out["mtp"]):
+        t, passes = side["timing"], len(side["pass_seconds"])
+        assert t["seconds"] == pytest.approx(t["prefill_s"] + (passes - 1) * t["pass_s"], rel=1e-4)
+        assert t["measured_s"] == pytest.approx(sum(side["pass_seconds"]), rel=1e-4) == side["seconds"]
+
+
+def test_counters_follow_the_headlines_method_and_name_vllms_figures():
+    """tok/s is tokens ÷ time s, time s is prefill + (passes − 1) × ms/pass; their ratio is the headline's. Lossless
+    shows the mean acceptance length (eff. k), the draft acceptance rate and acceptance by position, named as
+    vLLM / llama.cpp name them."""
+    from app.runner import Quality
+    from model.engine.strategies import confadapt, verify
+
+    same = list(range(30))
+    state = _state(same, same, confadapt(0.9, 4), Quality(0.4, 0.4), std_ms=40, mtp_ms=70)
+    sp = state.speed
+    std = render.counters(state.standard, sp.standard)
+    mtp = render.counters(state.mtp, sp.mtp)
+    for c in (std, mtp):
+        assert float(c["time s"]) == pytest.approx(float(c["prefill ms"]) / 1000
+                                                   + (int(c["passes"]) - 1) * float(c["ms/pass"]) / 1000, abs=0.01)
+        assert float(c["tok/s"]) == pytest.approx(int(c["tokens"]) / float(c["time s"]), rel=0.02)
+    assert float(mtp["tok/s"]) / float(std["tok/s"]) == pytest.approx(sp.ratio, rel=0.02)
+    assert "verify" not in render.counters_html(state.mtp, side="mtp", label="x", state="done")
+    lossless = _state(same, same, verify(4), Quality(0.4, 0.4))
+    out = render.counters_html(lossless.mtp, side="mtp", label="lossless", state="done", verifies=True)
+    for name, meaning in render.VERIFY_COUNTER_HELP.items():
+        assert f'data-name="{name}" title="{htmllib.escape(meaning, quote=True)}"' in out
+    assert "vLLM" in render.VERIFY_COUNTER_HELP["acc. rate"] and "mean acceptance length" in render.COUNTER_HELP["eff. k"]
+    assert "How speed is measured" in render.timing_html() and "measured s" in render.TIMING_HELP
+
+
+def test_the_device_note_and_the_shape_line_say_what_width_costs_here():
+    from app.device import LosslessShape, WidthProfile
+
+    cpu = WidthProfile({1: 0.1, 2: 0.15, 4: 0.18, 8: 0.25, 16: 0.4}, "cpu", "float32", False)
+    note = render.device_note_html(cpu, LosslessShape(1, None, 1.0, (0.67, 0.42, 0.22), "assumed", 4))
+    assert "a pass of 4 tokens costs 1.80× a pass of 1 here (float32, cpu)" in note
+    assert "about what a one-token pass costs" in note and "standard decoding itself (k_max 1)" in note
+    assert render.device_note_html(WidthProfile({1: 0.03, 4: 0.031}, "cuda:0", "bfloat16", True), None) == ""
+    assert render.device_note_html(None, None) == ""
+    shape = LosslessShape(3, (0, 2), 1.41, (0.67, 0.42, 0.22), "the checkpoint's sweep (lossless k_max 4)", 4)
+    line = render.shape_text(shape, cpu)
+    assert line.startswith("Shape: k_max 3, mask blocks after 0/2 drafts (k_max box 4 is the upper bound): expected "
+                           "1.41× standard decoding's speed here")
+    assert "acceptance by draft position 0.67 / 0.42 / 0.22, the checkpoint's sweep" in line
+    assert "no draft pays" in render.shape_text(LosslessShape(1, None, 1.0, (0.1,), "assumed", 4), cpu)
+    assert render.shape_text(None, None).startswith("Shape: linear at the k_max box, because the width cost is not")
+    assert render.shape_text(shape, cpu, "full tree", 4).startswith("Shape: full tree at k_max 4, as chosen")
+    assert "Shape:" in render.strategy_help_html("lossless", line) and "Shape:" not in render.strategy_help_html(
+        "ConfAdapt", line)
