@@ -32,9 +32,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_folded: torch.Tensor) -> torch.Tensor:
+    """transformers' rotary embedding ``x cos + rotate_half(x) sin`` as ``x cos + roll(x) sin'`` with the
+    first half of ``sin'`` negated: the same products and sums, so the same bits, in fewer ops."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_folded
 
 
 class FastForward:
@@ -52,6 +53,24 @@ class FastForward:
         self.adapter_kind = weights.adapter_kind
         self.packed = weights.packed
         self.has_adapter = weights.has_adapter
+        self._cos = self._sin = None  # rotary table by position (see _rope)
+
+    def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[T, 1, head_dim]`` of the given positions, from a table that the model's own
+        rotary module computes once for positions 0 .. n (grown by doubling: the same bits as a call per
+        pass). ``sin`` is sign-folded for :func:`rotate` (its first half negated)."""
+        end = int(position_ids.max()) + 1
+        if self._cos is None or end > self._cos.shape[0]:
+            w = self.weights
+            n = max(end, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
+            if w.max_positions:
+                n = max(end, min(n, w.max_positions))
+            probe = torch.empty(1, 1, w.head_dim, dtype=self.dtype, device=self.device)
+            cos, sin = w.rotary(probe, torch.arange(n, device=self.device)[None])
+            half = w.head_dim // 2
+            self._cos = cos[0][:, None].contiguous()
+            self._sin = torch.cat((-sin[0][:, None, :half], sin[0][:, None, half:]), -1).contiguous()
+        return self._cos[position_ids], self._sin[position_ids]
 
     def new_cache(self, capacity: int = INITIAL_CAPACITY) -> KVCache:
         """An empty :class:`~model.engine.kv_cache.KVCache` for this model."""
@@ -92,11 +111,10 @@ class FastForward:
         rows = min(adapter_rows, t) if self.has_adapter else 0
         x = F.embedding(ids, w.adapter_embed if rows and w.adapter_embed is not None else w.embed)
         if positions is None:
-            position_ids = torch.arange(pos, end, device=self.device)[None]
+            position_ids = torch.arange(pos, end, device=self.device)
         else:
-            position_ids = (torch.tensor(list(positions)) + pos).to(self.device)[None]
-        cos, sin = w.rotary(x, position_ids)  # [1, T, hd] each, in x's dtype (transformers' own module)
-        rope = (cos[0][:, None], sin[0][:, None])  # [T, 1, hd]: broadcast over heads
+            position_ids = (torch.tensor(list(positions)) + pos).to(self.device)
+        rope = self._rope(position_ids)  # [T, 1, hd] each: broadcast over heads
         mask, causal, repeat_kv = self._attention_mask(t, pos, end)
         if visible is not None:  # a tree of mask blocks: each input sees the cache and what `visible` says
             mask = torch.cat([torch.ones(t, pos, dtype=torch.bool), visible.to(torch.bool).cpu()], 1).to(self.device)
@@ -109,12 +127,12 @@ class FastForward:
             vc[0, :, pos:end].copy_(v.transpose(0, 1))
             a = self._attend(q, kc[:, :, :end], vc[:, :, :end], mask, causal, repeat_kv)
             _, (o,) = layer.o(a, rows)
-            x = x + o
+            x += o
             h = rms_norm(x, layer.ln2, w.eps)
             _, (gate, up) = layer.gate_up(h, rows)
-            act = F.silu(gate) * up
+            act = F.silu(gate).mul_(up)
             _, (d,) = layer.down(act, rows)
-            x = x + d
+            x += d
         cache.length = end
         keep = min(logits_to_keep, t) if logits_to_keep else t
         h = rms_norm(x[-keep:], w.norm, w.eps)
@@ -133,14 +151,13 @@ class FastForward:
         stacked, (q, k, v) = layer.qkv(h, rows)
         v = v.view(t, nkv, hd)
         if stacked is not None and layer.q_norm is None:  # q|k adjacent in one output: one rotation for both
-            qk = stacked[:, : (nh + nkv) * hd].view(t, nh + nkv, hd)
-            qk = qk * cos + rotate_half(qk) * sin  # elementwise: the same bits as q and k apart
+            qk = rotate(stacked[:, : (nh + nkv) * hd].view(t, nh + nkv, hd), cos, sin)  # elementwise: same bits
             return qk[:, :nh], qk[:, nh:], v
         q, k = q.view(t, nh, hd), k.view(t, nkv, hd)
         if layer.q_norm is not None:
             q = rms_norm(q, layer.q_norm, w.eps)
             k = rms_norm(k, layer.k_norm, w.eps)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def _attention_mask(self, t: int, pos: int, end: int) -> tuple[torch.Tensor | None, bool, bool]:
         """``(mask, is_causal, repeat_kv)`` for a pass of ``t`` queries after ``pos`` cached entries.

@@ -14,9 +14,10 @@ computation is :mod:`model.engine.fast_forward`. What packing does:
   ``F.linear`` runs (same bits). In float32 / float64 on a CPU they stay separate and unpacked (MKL
   rounds a stacked matrix differently); on CUDA they are stacked.
 * **adapters**: LoRA / activated LoRA factors (peft's modules are the source) become, per projection
-  group, one stacked ``A`` and a chunked or block-diagonal ``B`` with the scaling folded in
-  (:class:`LoraDelta`), float32 for a bf16 model as peft keeps them. :class:`ProjGroup` applies
-  them to the trailing ``rows`` rows of a pass only; a pass with ``rows == 0`` is a plain-base pass.
+  group, one stacked ``A`` and one block-diagonal ``B^T`` with the scaling folded in (:class:`LoraDelta`:
+  two matrix products and one add per group), float32 for a bf16 model as peft keeps them.
+  :class:`ProjGroup` applies them to the trailing ``rows`` rows of a pass only; a pass with ``rows == 0``
+  is a plain-base pass.
 * peft's **trainable-token rows** (the mask token's embedding) are kept when they differ from the base.
 """
 
@@ -36,9 +37,12 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 # --------------------------------------------------------------------------------- matrices
 class Linear:
-    """``y = x W^T (+ b)`` for 2-D ``x`` (``[T, in] -> [T, out]``), W prepacked for oneDNN when ``pack``."""
+    """``y = x W^T (+ b)`` for 2-D ``x`` (``[T, in] -> [T, out]``), W prepacked for oneDNN when ``pack``.
 
-    __slots__ = ("w", "b", "packed", "out_features")
+    Unpacked and without bias it calls ``torch.mm`` on a transposed view stored once: the kernel
+    ``F.linear`` reaches (same bits), without the ``linear`` / ``t`` / ``matmul`` dispatches in between."""
+
+    __slots__ = ("w", "wt", "b", "packed", "out_features")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool):
         weight = weight.detach().contiguous()
@@ -50,83 +54,54 @@ class Linear:
             try:
                 self.w = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
                 self.packed = True
-            except (RuntimeError, AttributeError):  # no oneDNN in this build: plain weights
+            except (RuntimeError, AttributeError):  # no oneDNN bf16 here (e.g. an AVX2-only CPU): plain weights
                 self.w = weight
+        self.wt = None if self.packed else self.w.t()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.w, self.b, "none", [], "")
+        if self.b is None:
+            return torch.mm(x, self.wt)
         return F.linear(x, self.w, self.b)
 
 
 class LoraDelta:
     """One projection group's adapter: ``delta = (x A^T) B^T``, added to the trailing ``rows`` rows.
 
-    Layout, chosen to read few bytes and run few kernels:
-
-    * ``a``: the members' A stacked (one matmul for q|k|v), each member repeated once per output chunk
-      (see ``b``) — ``[chunks * r, in]``;
-    * ``b``: each member's ``B * scaling`` cut into output chunks of one width (the gcd of the members'
-      widths: q|k|v of SmolLM2 = 3 + 1 + 1 chunks of 192), one ``bmm`` over the chunks — ``[chunks, r,
-      width]``, no zero blocks. A group whose members have different ranks, or lack an adapter on some
-      member, uses a block-diagonal ``B^T`` (``[sum r, out]``) instead (``chunks == 0``).
+    Two matrix products for the whole group, whatever its members: ``a`` stacks the members' ``A``
+    (``[sum r, in]``: one product for q|k|v) and ``bt`` is the group's block-diagonal ``B^T`` with the
+    scaling folded in (``[sum r, out]``); the delta lands in the group's output with one add. (The first
+    layout here cut ``B`` into chunks for a ``bmm`` and ran ~25 small ops per group; at the row counts of
+    MTP passes the zero blocks cost far less than the dispatch they replace: the adapter's share of an
+    MTP pass on SmolLM2 dropped from ~19 to ~10 ms in float32.)
 
     Args:
         members: ``(A [r, in], B [out, r] * scaling, output offset)`` of the projections that have
             an adapter.
         sizes: the output width of every projection of the group.
-        dtype: the factors' dtype.
+        dtype: the factors' dtype (float32 for a bf16 / fp16 model, as peft keeps them).
     """
 
-    __slots__ = ("a", "b", "chunks", "lin_a", "lin_b", "num_members")
+    __slots__ = ("a", "bt", "num_members")
 
     def __init__(self, members: Sequence[tuple[torch.Tensor, torch.Tensor, int]], sizes: Sequence[int],
-                 dtype: torch.dtype, pack: bool = False):
+                 dtype: torch.dtype):
         self.num_members = len(members)
-        ranks = {a.shape[0] for a, _, _ in members}
-        width = math.gcd(*sizes)
-        self.chunks = 0
-        if len(members) == len(sizes) and len(ranks) == 1:
-            r = next(iter(ranks))
-            n_chunks = sum(sizes) // width
-            dup_cost = (n_chunks - len(members)) * r * members[0][0].shape[1]
-            zero_cost = len(members) * r * sum(sizes) - sum(r * n for n in sizes)
-            if dup_cost <= zero_cost:
-                self.chunks = n_chunks
-        if self.chunks:
-            a_rows, b_chunks = [], []
-            for (a, b, _), n in zip(members, sizes):
-                for j in range(n // width):
-                    a_rows.append(a)
-                    b_chunks.append(b[j * width : (j + 1) * width].t())
-            self.a = torch.cat(a_rows).to(dtype).contiguous()
-            self.b = torch.stack(b_chunks).to(dtype).contiguous()  # [chunks, r, width]
-        else:
-            self.a = torch.cat([a for a, _, _ in members]).to(dtype).contiguous()
-            bt = torch.zeros(self.a.shape[0], sum(sizes), dtype=dtype, device=self.a.device)
-            r0 = 0
-            for a, b, o0 in members:
-                bt[r0 : r0 + a.shape[0], o0 : o0 + b.shape[0]] = b.to(dtype).t()
-                r0 += a.shape[0]
-            self.b = bt  # [sum r, out]: B^T, block-diagonal
-        self.lin_a = Linear(self.a, None, pack)
-        self.lin_b = Linear(self.b[0].t() if self.chunks == 1 else self.b.t(), None, pack) \
-            if self.chunks <= 1 else None
+        a = torch.cat([a for a, _, _ in members]).to(dtype).contiguous()
+        self.a = a  # [sum r, in]: mm(x, a.t()) as F.linear computes x A^T
+        bt = torch.zeros(a.shape[0], sum(sizes), dtype=dtype, device=a.device)
+        r0 = 0
+        for a_m, b_m, o0 in members:
+            bt[r0 : r0 + a_m.shape[0], o0 : o0 + b_m.shape[0]] = b_m.to(dtype).t()
+            r0 += a_m.shape[0]
+        self.bt = bt  # [sum r, out]
 
     def add_to(self, outs: Sequence[torch.Tensor], x: torch.Tensor, rows: int) -> None:
-        """Add the delta of ``x``'s last ``rows`` rows to ``outs``: the group's stacked output alone
-        (one tensor ``[T, out]``), or one tensor per member."""
+        """Add the delta of ``x``'s last ``rows`` rows (``[T, in]``) to ``outs``: the group's stacked output
+        alone (one tensor ``[T, out]``), or one tensor per member."""
         xr = x[-rows:] if rows < x.shape[0] else x
-        u = self.lin_a(xr.to(self.a.dtype))
-        if self.chunks > 1:
-            n, r, width = self.b.shape
-            d = torch.bmm(u.view(rows, n, r).transpose(0, 1), self.b).transpose(0, 1)  # [rows, chunks, width]
-            if len(outs) == 1:
-                outs[0][-rows:].view(rows, n, width).add_(d)
-                return
-            d = d.reshape(rows, n * width)
-        else:
-            d = self.lin_b(u)
+        d = torch.mm(torch.mm(xr.to(self.bt.dtype), self.a.t()), self.bt)  # [rows, out]
         if len(outs) == 1:
             outs[0][-rows:] += d
             return
@@ -315,12 +290,11 @@ def _lora_delta(members: Sequence[tuple[Any | None, int]], adapter: str | None, 
         offset += out_f
     if not parts:
         return None
-    if dtype in (torch.bfloat16, torch.float16):
-        # peft keeps the adapter of a bf16/fp16 model in float32 (autocast_adapter_dtype) and so do we:
-        # closer to peft's logits (143 of 144 mask-row argmaxes equal on SmolLM2 against 139 with bf16
-        # factors) and no slower (MKL's float32 kernels beat oneDNN's bf16 ones on matrices this small).
-        return LoraDelta(parts, [n for _, n in members], torch.float32, False)
-    return LoraDelta(parts, [n for _, n in members], dtype, pack)
+    # peft keeps the adapter of a bf16/fp16 model in float32 (autocast_adapter_dtype) and so do we: closer to
+    # peft's logits (143 of 144 mask-row argmaxes equal on SmolLM2 against 139 with bf16 factors) and no
+    # slower (MKL's float32 kernels beat oneDNN's bf16 ones on matrices this small).
+    return LoraDelta(parts, [n for _, n in members], torch.float32 if dtype in (torch.bfloat16, torch.float16)
+                     else dtype)
 
 
 def _token_override(module: Any, adapter: str | None) -> tuple[torch.Tensor, torch.Tensor] | None:
