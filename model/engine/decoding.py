@@ -442,7 +442,8 @@ def commit(cache: Any, fed: int, pending: int, kept: Sequence[int], verifies: bo
     return in_cache
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); a no-op on the CPU. Timings call it before and after."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -503,7 +504,7 @@ class Decoder:
             raise StopIteration
         lm, s, drafts = self.lm, self.strategy, self.drafts
         layout = lay_out(self.pending, drafts, s, lm.mask_token_id)
-        _sync(lm.device)
+        sync(lm.device)
         t0 = time.perf_counter()
         ids = torch.tensor([layout.tokens], dtype=torch.long, device=lm.device)
         logits = lm.forward(ids, self.cache, num_masks=layout.num_masks, logits_to_keep=layout.logits_to_keep,
@@ -519,7 +520,7 @@ class Decoder:
         if cut is not None:
             kept, reason, stopped = kept[:cut], "stop string", True
         in_cache = commit(self.cache, len(layout.tokens), len(self.pending), kept, s.verifies)
-        _sync(lm.device)
+        sync(lm.device)
         seconds = time.perf_counter() - t0
 
         self.cached_ids.extend(self.pending + in_cache)

@@ -16,22 +16,19 @@ from typing import Sequence
 
 import torch
 
+from .decoding import sync
 from .loaded_model import LoadedModel
 
 #: Tokens fed per pass that :func:`pass_costs` measures by default.
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16)
-_PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-           "How many clips did Natalia sell altogether in April and May?")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+#: The cached prompt the width curve is measured over (a GSM8K train question).
+WIDTH_PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+                "How many clips did Natalia sell altogether in April and May?")
 
 
 @torch.inference_mode()
 def pass_costs(lm: LoadedModel, widths: Sequence[int] = DEFAULT_WIDTHS, repeats: int = 5,
-               prompt: str = _PROMPT) -> dict[int, float]:
+               prompt: str = WIDTH_PROMPT) -> dict[int, float]:
     """Seconds of one MTP forward pass (1 real token + ``w - 1`` mask tokens, adapter on) over a cached
     prompt, for each ``w`` in ``widths``: the median of ``repeats`` passes after one warm-up, the widths
     interleaved so that load affects them alike.
@@ -46,10 +43,10 @@ def pass_costs(lm: LoadedModel, widths: Sequence[int] = DEFAULT_WIDTHS, repeats:
 
     def one(w: int) -> float:
         x = torch.tensor([[last] + [lm.mask_token_id] * (w - 1)], device=lm.device)
-        _sync(lm.device)
+        sync(lm.device)
         t0 = time.perf_counter()
         lm.forward(x, cache, num_masks=w - 1, logits_to_keep=w)
-        _sync(lm.device)
+        sync(lm.device)
         cache.crop(-w)
         return time.perf_counter() - t0
 

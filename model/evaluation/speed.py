@@ -39,7 +39,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..engine.decoding import hf_generate, run
+from ..engine.decoding import hf_generate, run, sync
+from ..engine.width import DEFAULT_WIDTHS, WIDTH_PROMPT
 from ..engine.loaded_model import LoadedModel
 from ..engine.loading import REPO_ROOT
 from ..engine.strategies import check_max_new_tokens, parse_strategies
@@ -48,14 +49,6 @@ from .accuracy import draft_metrics
 HF = "hf_generate"
 DEFAULT_DATA = REPO_ROOT / "assets" / "gsm8k_test_sample.jsonl"
 DEFAULT_STRATEGIES = "standard,confadapt:0.9:4,verify:4,confadapt:0.9:16"
-DEFAULT_WIDTHS = (1, 2, 4, 8, 16)
-WIDTH_PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-                "How many clips did Natalia sell altogether in April and May?")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def weight_bytes(model: Any) -> int:
@@ -89,13 +82,13 @@ def read_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5
     y = torch.empty_like(x) if cuda else None
     times = []
     for i in range(repeats + 1):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         if cuda:
             y.copy_(x)  # type: ignore[union-attr]
         else:
             x.sum()
-        _sync(device)
+        sync(device)
         if i:  # the first run warms up
             times.append(time.perf_counter() - t0)
     del x, y
@@ -151,7 +144,7 @@ def run_one(lm: LoadedModel, method: str, strategy: Any, prompt_ids: list[int], 
     For HF ``generate`` the number of forward passes equals the number of new tokens.
     """
     dev = lm.device
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
     drafts: list[list[int]] = []
     if method == HF:
@@ -164,7 +157,7 @@ def run_one(lm: LoadedModel, method: str, strategy: Any, prompt_ids: list[int], 
         res = run(lm, prompt_ids, strategy, max_new_tokens)
         ids, passes = res.token_ids, res.forward_passes
         drafts = [list(p.counted_drafts) for p in res.passes if p.fed_drafts]
-    _sync(dev)
+    sync(dev)
     return {"tokens": len(ids), "forward_passes": passes, "seconds": time.perf_counter() - t0, "token_ids": ids,
             "drafts": drafts}
 
@@ -214,10 +207,10 @@ def width_curve(lm: LoadedModel, plain: LoadedModel, widths: Sequence[int] = DEF
         for r in range(repeats):
             order = methods[r % len(methods):] + methods[: r % len(methods)]
             for name, _, f in order:
-                _sync(dev)
+                sync(dev)
                 t0 = time.perf_counter()
                 f(t)
-                _sync(dev)
+                sync(dev)
                 times[name].append(time.perf_counter() - t0)
         for name in ms:
             ms[name].append(1e3 * statistics.median(times[name]))
