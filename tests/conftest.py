@@ -23,6 +23,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: N workers share the cores, one torch thread each
+    torch.set_num_threads(1)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 GSM8K_SAMPLE = ROOT / "assets" / "gsm8k_test_sample.jsonl"  # 20 GSM8K test problems (MIT), in the repository

@@ -261,7 +261,7 @@ def test_bench_cli_on_smollm2(tmp_path, capsys):
     data.write_text(json.dumps({"question": "What is 3 + 4?", "answer": "3 + 4 = 7\n#### 7"}) + "\n")
     out = tmp_path / "bench.json"
     assert bench_cli.main(["--data", str(data), "--prompts", "1", "--repeats", "1", "--max-new-tokens", "4", "--widths", "1,2",
-                           "--width-repeats", "1", "--no-bandwidth", "--strategies", "standard,verify:2", "--threads", "1",
+                           "--width-repeats", "1", "--no-bandwidth", "--no-llama-cpp", "--strategies", "standard,verify:2", "--threads", "1",
                            "--json", str(out)]) == 0
     rep = json.loads(out.read_text())
     assert rep["config"]["prompts"] == 1 and rep["config"]["adapter"] == "alora"

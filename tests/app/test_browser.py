@@ -2,12 +2,15 @@
 
 Runs the real default model (SmolLM2 GGUF + adapter) served in-process; answers are compared with
 the engine's own ``model.decoding.generate`` on the same loaded model. Answers are kept short (2
-CPU cores in CI). Screenshots are written to ``test-artifacts/`` (gitignored) and their paths
-printed. Timing is never asserted.
+CPU cores in CI). Screenshots are written to ``test-artifacts/`` (gitignored; ``MTP_APP_SCREENSHOTS``
+names another folder) and their paths printed. Timing is never asserted. The trade-off figure's
+button and marker run on an app of tiny random models (seconds, not minutes).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -21,7 +24,7 @@ from tests.conftest import ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
-ARTIFACTS = ROOT / "test-artifacts"
+ARTIFACTS = Path(os.environ.get("MTP_APP_SCREENSHOTS") or ROOT / "test-artifacts")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -93,10 +96,13 @@ def wait_status(pg, pattern: str, timeout: int = TIMEOUT_MS) -> str:
 
 
 def wait_tokens(pg, n: int) -> None:
-    """Wait until the MTP side has generated at least ``n`` tokens while running."""
+    """Wait until the MTP side of the running turn has generated at least ``n`` tokens (the counters of a
+    finished turn do not count: they still show its figures until the next turn's first update)."""
     pg.wait_for_function(
         "(n) => { const c = document.querySelector('#stats-mtp [data-name=\"tokens\"] .mtp-counter-value');"
-        " return c && parseFloat(c.innerText) >= n; }", arg=n, timeout=TIMEOUT_MS)
+        " const s = document.querySelector('#stats-mtp .mtp-counters');"
+        " return c && s && s.dataset.state === 'running' && parseFloat(c.innerText) >= n; }", arg=n,
+        timeout=TIMEOUT_MS)
 
 
 def answers(pg, pane: str) -> list[str]:
@@ -111,13 +117,25 @@ def counter_states(pg) -> list[str]:
     return [pg.get_attribute(f"#{p} .mtp-counters", "data-state") for p in ("stats-standard", "stats-mtp")]
 
 
+def stop_is_on_top(pg) -> bool:
+    """The element at the centre of the Stop button is Stop (nothing, e.g. a toast, lies over it)."""
+    return pg.evaluate("""() => { const b = document.querySelector('#stop').getBoundingClientRect();
+        const e = document.elementFromPoint(b.left + b.width / 2, b.top + b.height / 2);
+        return !!(e && e.closest('#stop')); }""")
+
+
+def history_texts(pg) -> str:
+    """The text of the page's history output (a JSON component in the page, hidden)."""
+    return pg.evaluate("() => document.querySelector('#history').textContent")
+
+
 def no_error_badges(pg) -> bool:
     """Gradio marks an output whose event failed with an 'error' status; none may appear."""
     return pg.locator(".error").count() == 0
 
 
 def screenshot(pg, name: str, capsys) -> Path:
-    ARTIFACTS.mkdir(exist_ok=True)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
     shot = ARTIFACTS / name
     pg.screenshot(path=str(shot), full_page=True)
     with capsys.disabled():  # shown in the test output even when pytest captures stdout
@@ -138,9 +156,12 @@ def test_one_run_per_session_and_stop_and_clear_end_cleanly(page, served):
     notice = page.locator("#notice .mtp-notice")
     notice.wait_for(state="visible", timeout=30_000)
     assert "Still answering your previous message (turn 1)" in notice.inner_text()
-    page.locator(".toast-body", has_text="Still answering").first.wait_for(state="visible", timeout=10_000)
-    page.click("#send")  # the button too: refused the same way, not silently ignored
-    page.wait_for_function("() => document.querySelectorAll('.toast-body').length >= 1")
+    first_at = notice.get_attribute("data-at")
+    page.click("#send")  # the button too: refused the same way, in the page, not silently ignored
+    page.wait_for_function("(t) => { const n = document.querySelector('#notice .mtp-notice');"
+                           " return n && n.dataset.at !== t; }", arg=first_at, timeout=30_000)
+    assert "Still answering your previous message (turn 1)" in notice.inner_text()
+    assert page.locator(".toast-body").count() == 0 and stop_is_on_top(page)  # no toast covers the controls
     assert page.input_value("#message textarea") == "What is 2 plus 3?"
     assert "Turn 2" not in page.inner_text("#status") and questions(page, "chat-standard")[-1].startswith("Write")
 
@@ -378,3 +399,190 @@ def test_four_sessions_at_once_get_their_own_answers(browser, served):
     finally:
         for ctx, _ in opened:
             ctx.close()
+
+
+# ---------------------------------------------------------------------------- every turn kept, notices in the page
+def test_stop_then_send_keeps_every_turn(page, served):
+    """Stop, then Send at once (no delay), five times: every stopped turn and its partial answers stay in both
+    panes and in the page's history, and the next turn continues the conversation (its number counts them)."""
+    set_number(page, "k-max", 4)
+    asked = []
+    for i in range(5):
+        set_number(page, "max-new-tokens", 300)
+        story = f"Tell me a long story, number {i}."
+        send(page, story)
+        wait_tokens(page, 1)
+        follow = f"Thanks. What is {i} plus 1?"
+        set_number(page, "max-new-tokens", 4)
+        page.fill("#message textarea", follow)
+        page.click("#stop")
+        page.click("#send")  # no delay: the Stop and the message travel apart
+        asked += [story, follow]
+        wait_status(page, f"Turn {2 * i + 2}: done in")
+        assert questions(page, "chat-standard") == asked and questions(page, "chat-mtp") == asked
+        std, mtp = answers(page, "chat-standard"), answers(page, "chat-mtp")
+        assert len(std) == len(mtp) == len(asked)
+        assert std[-2] and mtp[-2]  # the stopped turn's partial answers stay
+        page.wait_for_function("(qs) => qs.every(q => document.querySelector('#history').textContent.includes(q))",
+                               arg=asked, timeout=30_000)
+        assert no_error_badges(page) and page.locator("#notice .mtp-notice").count() == 0
+
+
+@pytest.mark.parametrize("size", [(390, 844), (1280, 900)])
+def test_notices_never_cover_the_controls(browser, served, size):
+    """Errors and refusals are said in the page, under the controls: no toast, and Stop stays clickable."""
+    ctx, pg = open_page(browser, served[1], *size)
+    try:
+        set_number(pg, "tau", -1)
+        send(pg, "hi")
+        wait_status(pg, "got -1")
+        assert pg.locator(".toast-body").count() == 0 and stop_is_on_top(pg)
+        set_number(pg, "tau", 0.9)
+        set_number(pg, "max-new-tokens", 300)
+        send(pg, "Tell me a long story about the sea.")
+        wait_tokens(pg, 1)
+        pg.fill("#message textarea", "And another one?")
+        pg.press("#message textarea", "Enter")
+        pg.locator("#notice .mtp-notice").wait_for(state="visible", timeout=30_000)
+        assert pg.locator(".toast-body").count() == 0 and stop_is_on_top(pg)
+        pg.click("#stop", timeout=5_000)  # clickable as it is, nothing over it
+        wait_status(pg, "stopped")
+    finally:
+        ctx.close()
+
+
+# ---------------------------------------------------------------------------- screenshots, the phone layout
+MODES = (("ConfAdapt", "What is 12 times 7? Think step by step."),
+         ("static k", "Name three colours of the rainbow."),
+         ("lossless", FIB))
+JS_TICKS = """() => {
+  const f = document.querySelector('#passes-figure iframe');
+  const d = f.contentDocument, w = f.contentWindow.innerWidth;
+  const buttons = Array.from(d.querySelectorAll('.updatemenu-button')).map(b => b.getBoundingClientRect());
+  return Array.from(d.querySelectorAll('.xaxislayer-above .xtick text')).map(t => {
+    const r = t.getBoundingClientRect();
+    return {text: t.textContent, left: r.left, right: r.right, bottom: r.bottom, width: w,
+            under: buttons.some(b => !(r.right <= b.left || b.right <= r.left || r.bottom <= b.top || b.bottom <= r.top))};
+  });
+}"""
+JS_DROPDOWN = """() => {
+  const input = document.querySelector('#model-choice input');
+  const icon = document.querySelector('#model-choice .icon-wrap');
+  const r = input.getBoundingClientRect(), s = getComputedStyle(input);
+  return {textRight: r.right - parseFloat(s.paddingRight), iconLeft: icon.getBoundingClientRect().left,
+          fits: input.scrollWidth <= input.clientWidth + 1 || s.textOverflow === 'ellipsis'};
+}"""
+
+
+def test_every_mode_at_390_and_1280_px(browser, served, capsys):
+    """A finished turn of each mode with the default model, 390x844 and 1280 wide (screenshots, printed); at
+    390 px the pass chart's rotated token labels stay inside the figure and off its buttons, and the model
+    dropdown's arrow does not cover its text."""
+    _, url, _ = served
+    for width, height in ((390, 844), (1280, 900)):
+        ctx, pg = open_page(browser, url, width, height)
+        try:
+            screenshot(pg, f"app_start_{width}.png", capsys)
+            for mode, prompt in MODES:
+                pg.get_by_label(mode, exact=True).check()
+                set_number(pg, "max-new-tokens", 16)
+                if mode != "static k":
+                    set_number(pg, "k-max", 4)
+                pg.click("#clear")
+                wait_status(pg, "Cleared")
+                send(pg, prompt)
+                wait_status(pg, "Turn 1: done in")
+                n_passes = int(pg.inner_text("#stats-mtp [data-name='passes'] .mtp-counter-value"))
+                pg.wait_for_function(f"() => ({JS_FRAMES})() === {n_passes}", timeout=60_000)
+                headline = pg.inner_text("#speedup .mtp-headline")
+                assert headline.count(".") >= 1 and ("faster" in headline or "slower" in headline or "same" in headline)
+                if mode == "lossless":
+                    assert "Shape:" in pg.inner_text("#strategy-help")
+                    names = pg.locator("#stats-mtp .mtp-counter").evaluate_all("es => es.map(e => e.dataset.name)")
+                    assert {"acc. rate", "by position"} <= set(names)
+                time.sleep(0.5)
+                screenshot(pg, f"app_{mode.replace(' ', '_')}_{width}.png", capsys)
+                ticks = pg.evaluate(JS_TICKS)
+                assert ticks and all(t["left"] >= 0 and t["right"] <= t["width"] + 1 for t in ticks), ticks
+                assert not any(t["under"] for t in ticks), ticks
+            pg.click("#model-accordion .label-wrap")
+            pg.locator("#model-choice input").wait_for(state="visible")
+            box = pg.evaluate(JS_DROPDOWN)
+            assert box["textRight"] <= box["iconLeft"] + 1 and box["fits"], box
+            screenshot(pg, f"app_model_{width}.png", capsys)
+        finally:
+            ctx.close()
+
+
+# ---------------------------------------------------------------------------- the trade-off (tiny models)
+@pytest.fixture(scope="module")
+def served_tiny(base_tokenizer):
+    """The app over tiny random models (every source is one), served on 127.0.0.1: (demo, url)."""
+    import copy
+
+    from app import build_app, launch
+    from app.runner import ModelRegistry
+    from model.engine.loading import wrap_model
+    from tests.conftest import make_tiny
+
+    def loader(source, quantization=None, dtype=None):
+        tok = copy.deepcopy(base_tokenizer)
+        return wrap_model(make_tiny(tok), tok, source=source)
+
+    demo = build_app(ModelRegistry(loader=loader))
+    _, url, _ = launch(demo, server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True)
+    yield demo, url
+    demo.close()
+
+
+JS_TRACE = """(name) => {
+  const gd = document.querySelector('#tradeoff .js-plotly-plot');
+  const t = gd && gd.data ? gd.data.find(d => d.name === name && d.xaxis !== 'x2') : null;
+  return t ? t.x : null;
+}"""
+JS_NAMES = """() => { const gd = document.querySelector('#tradeoff .js-plotly-plot');
+  return gd && gd.data ? gd.data.map(d => d.name) : []; }"""
+
+
+def test_the_trade_off_is_measured_drawn_and_follows_tau(browser, served_tiny, capsys):
+    """No sweep.json: "Measure the trade-off" runs the sweep on the example prompts and draws it; moving the tau
+    box moves its marker; a finished answer becomes a point; the device note's button sets the fastest lossless
+    setting."""
+    demo, url = served_tiny
+    ctx, pg = open_page(browser, url, 1280, 900)
+    try:
+        assert pg.locator("#measure-tradeoff").is_visible()
+        pg.wait_for_function("() => document.querySelector('#tradeoff').innerText.includes('no measured trade-off')",
+                             timeout=30_000)  # Plotly draws the figure after the page loads
+        pg.click("#measure-tradeoff")
+        pg.wait_for_function("() => document.querySelector('#measure-status').innerText.includes('Measured the "
+                             "trade-off on 5 example prompts')", timeout=TIMEOUT_MS)
+        pg.locator("#measure-tradeoff").wait_for(state="hidden", timeout=30_000)
+        names = pg.evaluate(JS_NAMES)
+        assert "standard decoding" in names and "lossless" in names and any(n.startswith("ConfAdapt") for n in names)
+        assert "tau 0.9 now" in names
+        x9 = pg.evaluate(JS_TRACE, "tau 0.9 now")
+        set_number(pg, "tau", 0.5)
+        pg.wait_for_function("() => (" + JS_NAMES + ")().includes('tau 0.5 now')", timeout=30_000)
+        x5 = pg.evaluate(JS_TRACE, "tau 0.5 now")
+        sweep = demo.mtp_registry.facts.sweep(("smollm2-135m", "none", "auto"), None)[0]
+        by_tau = {p["tau"]: p["effective_k"] for p in sweep["points"] if p["name"] == "confadapt"}
+        assert x9 == [pytest.approx(by_tau[0.9])] and x5 == [pytest.approx(by_tau[0.5])]
+        set_number(pg, "max-new-tokens", 6)
+        send(pg, "hi")
+        wait_status(pg, "Turn 1: done in")
+        pg.wait_for_function("() => (" + JS_NAMES + ")().some(n => n.startsWith('your answers'))", timeout=30_000)
+        screenshot(pg, "app_tradeoff_tiny_1280.png", capsys)
+        # the device note (a CPU without native bf16) offers the fastest lossless setting
+        note = pg.inner_text("#device-note")
+        assert "a pass of 4 tokens costs" in note and "Fastest lossless setting here" in note
+        pg.click("#use-fastest")
+        pg.locator("#shape").wait_for(state="visible", timeout=30_000)
+        assert pg.locator("#strategy").get_by_label("lossless", exact=True).is_checked()
+        pg.wait_for_function("() => document.querySelector('#strategy-help').innerText.includes('Shape:')",
+                             timeout=30_000)
+        k = pg.input_value("#k-max input")
+        assert f"(k_max {k})" in pg.inner_text("#use-fastest")
+        assert pg.locator("#shape").get_by_label("fastest here", exact=True).is_checked()
+    finally:
+        ctx.close()

@@ -446,3 +446,68 @@ def test_a_message_sent_right_after_stop_waits_for_the_stop():
     busy = runs.begin("s")
     assert runs.begin("s", wait_for_stop=0.2) is None  # no Stop comes: refused after the grace
     busy.release()
+
+
+# ---------------------------------------------------------- Stop and Clear across a process boundary
+def _turns_in_another_process(tokenizer, stop_dir: str, run_ids: list[str], conn) -> None:
+    """A generation worker as ZeroGPU runs one (another process): each turn's passes run here, Stop / Clear
+    arrive only through the run's stop flag file. After every state it reports the passes so far and waits
+    for the parent's go, so the parent knows exactly which pass the flag preceded."""
+    import torch
+
+    from app import runner
+    from model.engine.loading import wrap_model
+    from tests.conftest import make_tiny
+
+    torch.set_num_threads(1)
+    runner.STOP_DIR = __import__("pathlib").Path(stop_dir)  # a forked worker inherits it; a spawned one is told
+    registry = ModelRegistry(loader=lambda source, quantization=None, dtype=None:
+                             wrap_model(make_tiny(tokenizer), tokenizer, source=source))
+    for run_id in run_ids:
+        turn = prepare_turn(registry, "Tell me a long story.", [], "ConfAdapt", 0.9, 4, 3, 200)
+        for state in runner.run_turn(turn, lambda: runner.stop_requested(run_id)):
+            n = len(state.standard.passes) + len(state.mtp.passes)
+            if state.final:
+                conn.send(("final", state.phase, n))
+                break
+            conn.send(("pass", n))
+            conn.recv()
+
+
+def test_stop_and_clear_reach_a_generation_in_another_process(base_tokenizer):
+    """The passes run in a separate process: Stop (then Clear, on the next turn) written by this process after
+    pass 3 ends the turn before pass 4, with the phase it names."""
+    import copy
+    import multiprocessing
+
+    from app import runner
+
+    runs = SessionRuns()
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    tickets = []
+    for reason in ("stopped", "cleared"):
+        tickets.append(runs.begin(f"s-{reason}"))
+    worker = ctx.Process(target=_turns_in_another_process,
+                         args=(copy.deepcopy(base_tokenizer), str(runner.STOP_DIR), [t.run_id for t in tickets],
+                               child), daemon=True)
+    worker.start()
+    try:
+        for ticket, reason in zip(tickets, ("stopped", "cleared")):
+            while True:
+                assert parent.poll(180), "the worker went silent"
+                msg = parent.recv()
+                if msg[0] == "final":
+                    break
+                if msg[1] == 3:
+                    assert runs.request_stop(ticket.session, reason)
+                parent.send("go")
+            assert msg == ("final", reason, 3)  # no pass after the flag
+            assert runner.stop_requested(ticket.run_id) == reason
+            ticket.release()
+            assert runner.stop_requested(ticket.run_id) is None  # the flag goes with the run
+    finally:
+        worker.join(30)
+        if worker.is_alive():
+            worker.kill()
+    assert worker.exitcode == 0

@@ -29,6 +29,16 @@ def test_figure_caption_names_every_colour_the_figure_uses():
         assert f"background:{colour}" in caption, colour
 
 
+def test_the_space_card_lists_every_checkpoint_the_page_offers():
+    """The README's card (``models:``) names each hub checkpoint in the model menu, and the authors' presets."""
+    from model.engine.presets import PRESETS
+
+    card = (ROOT / "README.md").read_text().split("---")[1]
+    listed = set(re.findall(r"^  - (\S+)$", card.split("models:")[1].split(":")[0], re.M))
+    offered = {source for _, source in ui.MODEL_CHOICES if "/" in source}
+    assert offered <= listed and {p.hub_id for p in PRESETS} <= offered
+
+
 # -------------------------------------------------------------- the page's API
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, lm):
@@ -64,12 +74,25 @@ def client(served):
     return Client(served[1], verbose=False)
 
 
-def ask(client, message, history=(), strategy="ConfAdapt", tau=0.9, k_max=4, k=3, max_new_tokens=N_NEW):
-    """One /chat call; returns the outputs as a dict keyed by :data:`app.ui.TURN_OUTPUTS`."""
+def ask(client, message, history=(), strategy="ConfAdapt", tau=0.9, k_max=4, k=3, max_new_tokens=N_NEW,
+        shape="linear"):
+    """One /chat call; returns the outputs as a dict keyed by :data:`app.ui.TURN_OUTPUTS`. Lossless runs the
+    linear layout at k_max unless ``shape`` says otherwise (the page's default is "fastest here")."""
     from app.ui import TURN_OUTPUTS
 
-    out = client.predict(message, list(history), strategy, tau, k_max, k, max_new_tokens, api_name="/chat")
+    out = client.predict(message, list(history), strategy, tau, k_max, k, max_new_tokens, shape, api_name="/chat")
+    assert len(out) == len(TURN_OUTPUTS)
     return dict(zip(TURN_OUTPUTS, out))
+
+
+def raw_updates(value) -> list:
+    """Every Gradio update dict (``{"__type__": "update", ...}``) anywhere inside an API output."""
+    if isinstance(value, dict):
+        found = [value] if "__type__" in value else []
+        return found + [u for v in value.values() for u in raw_updates(v)]
+    if isinstance(value, (list, tuple)):
+        return [u for v in value for u in raw_updates(v)]
+    return []
 
 
 @pytest.mark.integration
@@ -152,3 +175,119 @@ def test_api_engine_errors_are_messages_and_the_worker_lives(tiny_registry):
         assert ask(c, "hi", max_new_tokens=4)["result"]["phase"] == "done"  # the worker still serves
     finally:
         demo.close()
+
+
+# ------------------------------------------------------------------ plain API values
+@pytest.fixture
+def tiny_served(tiny_registry):
+    """The app over tiny random models, served in-process: (demo, gradio_client.Client)."""
+    from gradio_client import Client
+
+    from app import build_app, launch
+
+    demo = build_app(tiny_registry)
+    _, url, _ = launch(demo, server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True)
+    try:
+        yield demo, Client(url, verbose=False)
+    finally:
+        demo.close()
+
+
+def test_api_outputs_are_plain_values(tiny_served):
+    """/chat and /load_model give API clients plain values (never Gradio's update dicts): a finished turn, a
+    refused message, an error before the turn, a model that cannot load."""
+    demo, c = tiny_served
+    out = ask(c, "hi", max_new_tokens=8)
+    assert not raw_updates(out) and out["message"] == "" and out["result"]["phase"] == "done"
+    assert out["history"][-1]["role"] == "assistant" and isinstance(out["race"], dict)
+    assert out["result"]["quality"]["standard_nll"] > 0 and "headline" in out["result"]
+    # a zero-width message is refused like whitespace; the message stays (the box keeps it)
+    out = ask(c, "\u200b\u200b\u200d ")
+    assert not raw_updates(out) and out["result"] == {"phase": "error",
+                                                      "status": "The message is empty: type a question first."}
+    assert out["message"] == "\u200b\u200b\u200d " and "The message is empty" in out["status"]
+    # one answer at a time: the second message is refused, plainly, and stays
+    from app.ui import TURN_OUTPUTS
+
+    job = c.submit("Tell me a long story.", [], "ConfAdapt", 0.9, 4, 3, 400, "linear", api_name="/chat")
+    deadline = time.time() + 60
+    while demo.mtp_sessions.current(c.session_hash) is None and time.time() < deadline:
+        time.sleep(0.02)
+    refused = ask(c, "What is 2 plus 2?")
+    assert not raw_updates(refused) and refused["result"]["phase"] == "refused"
+    assert refused["message"] == "What is 2 plus 2?" and "Still answering" in refused["notice"]
+    first = dict(zip(TURN_OUTPUTS, job.result()))
+    assert not raw_updates(first) and first["result"]["phase"] == "done"
+    # /load_model: (model info, status, k_max), plain also when the model cannot load
+    info, status, k_max = c.predict("smollm2-135m", "tiny", "none", "auto", api_name="/load_model")
+    assert "Loaded tiny" in status and k_max == 16 and "<code>tiny</code>" in info
+    info, status, k_max = c.predict("smollm2-135m", "missing", "none", "auto", api_name="/load_model")
+    assert "Still using tiny." in status and k_max == 16 and "<code>tiny</code>" in info
+
+
+def test_api_lossless_runs_the_devices_shape(tiny_served):
+    from model.engine.width import choose_verify_layout, conditional_acceptance
+
+    from app.device import DEFAULT_ACCEPTANCE, WidthProfile
+
+    demo, c = tiny_served
+    key = ("smollm2-135m", "none", "auto")
+    flat = {1: 0.030, 2: 0.030, 4: 0.031, 8: 0.032, 16: 0.034}
+    demo.mtp_registry.facts.put_profile(key, WidthProfile(flat, "cuda:0", "bfloat16", True))
+    k, blocks, speedup = choose_verify_layout(flat, conditional_acceptance(DEFAULT_ACCEPTANCE), 6)
+    out = ask(c, "hi", strategy="lossless", k_max=6, max_new_tokens=8, shape="fastest here")
+    res = out["result"]
+    assert res["shape"]["k_max"] == k and res["shape"]["k_max_limit"] == 6 and res["identical"]
+    assert res["mtp"]["strategy"] == (f"verify:{k}" if blocks is None else f"verify:{k}:{res['shape']['layout']}")
+    assert res["shape"]["expected_ratio"] == pytest.approx(speedup, abs=1e-4)
+    assert {"mean_acceptance_length", "draft_acceptance_rate", "acceptance_by_position"} <= set(res["mtp"])
+    assert ask(c, "hi", strategy="lossless", k_max=6, max_new_tokens=8)["result"]["mtp"]["strategy"] == "verify:6"
+
+
+# ------------------------------------------------------------------ one timing method
+def _counter(html: str, name: str) -> float:
+    m = re.search(r'data-name="' + re.escape(name) + r'"[^>]*>.*?mtp-counter-value">([^<]*)<', html)
+    return float(m.group(1))
+
+
+@pytest.mark.integration
+def test_the_pages_figures_agree_on_a_loaded_cpu(client):
+    """With a busy process beside the app, every figure of a turn agrees with the page's one timing method:
+    each side's time s = prefill + (passes − 1) × ms/pass, tok/s = tokens ÷ time s, the headline = the ratio of
+    the two tok/s; and the plain sums (measured s, the race chart, the headline's "measured sums") agree with
+    each other as the different measure they are labelled."""
+    import json as jsonlib
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        out = ask(client, "Write a short poem about the sea.", max_new_tokens=32)
+    finally:
+        busy.kill()
+        busy.wait(timeout=30)
+    res = out["result"]
+    assert res["phase"] == "done"
+    tps = {}
+    for side, html_out in (("standard", out["stats_std"]), ("mtp", out["stats_mtp"])):
+        tokens, passes = _counter(html_out, "tokens"), _counter(html_out, "passes")
+        prefill, per_pass = _counter(html_out, "prefill ms") / 1000, _counter(html_out, "ms/pass") / 1000
+        time_s, tps[side], measured = _counter(html_out, "time s"), _counter(html_out, "tok/s"), \
+            _counter(html_out, "measured s")
+        assert time_s == pytest.approx(prefill + (passes - 1) * per_pass, abs=0.006 + 0.0005 * passes)
+        assert tps[side] == pytest.approx(tokens / time_s, rel=0.01, abs=0.06)
+        timing = res[side]["timing"]
+        assert round(timing["seconds"], 2) == time_s and round(timing["tokens_per_second"], 1) == tps[side]
+        assert measured == round(res[side]["seconds"], 2) == round(sum(res[side]["pass_seconds"]), 2)
+    ratio = float(re.search(r'data-ratio="([0-9.]+)"', out["speed"]).group(1))
+    assert ratio == pytest.approx(tps["mtp"] / tps["standard"], rel=0.02) and ratio == pytest.approx(
+        res["speed"]["ratio"], abs=1e-4)
+    headline = htmllib.unescape(re.search(r'<div class="mtp-headline">(.*?)</div>', out["speed"]).group(1))
+    assert render.times_text(ratio) in headline
+    # the different measure: the race chart's ends are the plain sums, and the headline's details say their ratio
+    race = jsonlib.loads(out["race"]["plot"])["data"]
+    ends = [trace["x"][-1] for trace in race]
+    assert ends == pytest.approx([res["standard"]["seconds"], res["mtp"]["seconds"]], abs=1e-5)
+    raw = (res["mtp"]["new_tokens"] / ends[1]) / (res["standard"]["new_tokens"] / ends[0])
+    assert raw == pytest.approx(res["speed"]["raw_ratio"], rel=1e-3)
+    assert f"measured sums (race chart; load spikes skew them): {render.times_text(raw)}" in \
+        htmllib.unescape(out["speed"])
