@@ -195,24 +195,45 @@ def _load_hf(
         kwargs["quantization_config"] = bnb
         kwargs["device_map"] = {"": device.index or 0}
     cache = _gguf_cache_dir(Path(where) / gguf_file) if gguf_file else None
-    if cache is not None and (cache / "config.json").is_file():
-        # A GGUF file dequantised earlier: loading safetensors takes ~1 s instead of ~30 s of GGUF parsing.
-        where, gguf_file = str(cache), None
-        kwargs.pop("gguf_file", None)
-    tok_kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(where, **tok_kwargs)
-    model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
-    if cache is not None and gguf_file and bnb is None and _write_gguf_cache(model, tokenizer, cache):
-        # Load the copy just written: transformers marks a GGUF-loaded model as quantized (its weights are
-        # plain dequantised tensors), which would keep the first run on the library path; every later run
-        # loads the copy, so the first one does too.
-        del model
-        tokenizer = AutoTokenizer.from_pretrained(str(cache))
-        kwargs.pop("gguf_file", None)
-        model = AutoModelForCausalLM.from_pretrained(str(cache), **kwargs)
+    # Processes starting together (DDP ranks, test workers) parse a GGUF file once: the first writes the
+    # dequantised copy under the lock, the others wait and load the copy.
+    with _gguf_cache_lock(cache if bnb is None else None):
+        if cache is not None and (cache / "config.json").is_file():
+            # A GGUF file dequantised earlier: loading safetensors takes ~1 s instead of ~30 s of GGUF parsing.
+            where, gguf_file = str(cache), None
+            kwargs.pop("gguf_file", None)
+        tok_kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+        tokenizer = AutoTokenizer.from_pretrained(where, **tok_kwargs)
+        model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+        if cache is not None and gguf_file and bnb is None and _write_gguf_cache(model, tokenizer, cache):
+            # Load the copy just written: transformers marks a GGUF-loaded model as quantized (its weights are
+            # plain dequantised tensors), which would keep the first run on the library path; every later run
+            # loads the copy, so the first one does too.
+            del model
+            tokenizer = AutoTokenizer.from_pretrained(str(cache))
+            kwargs.pop("gguf_file", None)
+            model = AutoModelForCausalLM.from_pretrained(str(cache), **kwargs)
     if bnb is None:
         model.to(device)
     return model, tokenizer
+
+
+def _gguf_cache_lock(cache: Path | None) -> Any:
+    """A file lock beside the GGUF cache directory (``filelock``, waits up to 10 minutes); a no-op context when
+    there is no cache, it exists already, or its folder is not writable (each process then parses the file)."""
+    import contextlib
+
+    from filelock import FileLock
+
+    if cache is None or (cache / "config.json").is_file():
+        return contextlib.nullcontext()
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return contextlib.nullcontext()
+    if not os.access(cache.parent, os.W_OK):
+        return contextlib.nullcontext()
+    return FileLock(str(cache.with_name(cache.name + ".lock")), timeout=600)
 
 
 def _gguf_cache_dir(gguf: Path) -> Path | None:

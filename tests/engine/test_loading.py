@@ -81,6 +81,24 @@ def test_bad_dtype(tiny_dir):
         load_checkpoint(str(tiny_dir), dtype="float7")
 
 
+def test_first_gguf_loads_of_several_processes_take_turns(tmp_path):
+    """Processes loading a GGUF file into an empty cache together parse it once: the cache lock is held by
+    the first; once the copy exists no lock is taken at all."""
+    from filelock import FileLock, Timeout
+
+    from model.engine.loading import _gguf_cache_lock
+
+    cache = tmp_path / "cache" / "model-123-abcdef"
+    with _gguf_cache_lock(cache):
+        with pytest.raises(Timeout):  # another process (its own lock object) waits
+            FileLock(str(cache.with_name(cache.name + ".lock"))).acquire(timeout=0.2)
+        cache.mkdir()
+        (cache / "config.json").write_text("{}")
+    FileLock(str(cache.with_name(cache.name + ".lock"))).acquire(timeout=0.2)  # released
+    assert type(_gguf_cache_lock(cache)).__name__ == "nullcontext"  # the copy exists: no waiting
+    assert type(_gguf_cache_lock(None)).__name__ == "nullcontext"
+
+
 # ------------------------------------------- the embedded default (integration)
 @pytest.mark.integration
 def test_gguf_file_source_is_the_default_base(smollm2, tmp_path, monkeypatch):
@@ -88,7 +106,7 @@ def test_gguf_file_source_is_the_default_base(smollm2, tmp_path, monkeypatch):
     model and forward path as every later load from the copy: plain weights, the fast path."""
     monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path / "cache"))
     lm = load_checkpoint(str(smollm2_gguf_path()), device="cpu")
-    assert len(list((tmp_path / "cache").iterdir())) == 1
+    assert len([d for d in (tmp_path / "cache").iterdir() if d.is_dir()]) == 1  # one copy (and its lock file)
     assert lm.forward_path.startswith("fast path"), lm.forward_path
     assert not getattr(lm.model, "is_quantized", False)
     assert type(lm.model).__name__ == "LlamaForCausalLM"
