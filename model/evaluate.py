@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         report["figure"] = write_figure(report, out)
         out.write_text(json.dumps(report, indent=1, ensure_ascii=False, allow_nan=False))
         print(format_table(report))
+        if args.sweep:  # a stopped run's partial report still gives a sweep over the problems it finished
+            print(f"wrote {write_sweep(from_report(report), args.sweep)}")
         return 0
     out = Path(args.out)
     try:

@@ -214,6 +214,24 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: cannot rescore")
 
 
+def test_cli_rescore_writes_the_sweep_of_a_stopped_run(tiny_lm, tmp_path, capsys):
+    """``--rescore REPORT --sweep PATH``: the sweep of the problems a (stopped) run finished, as a full run writes
+    it."""
+    from model.engine.strategies import parse_strategies
+    from model.evaluation.accuracy import evaluate
+    from model.evaluation.gsm8k import load_problems
+    from model.evaluation.sweep import from_report, load_sweep
+
+    problems = load_problems(write_jsonl(tmp_path / "d.jsonl", GSM8K_PROBLEMS), None)
+    report = evaluate(tiny_lm, problems, parse_strategies("standard,confadapt:0.9:4,verify:4", 4),
+                      max_new_tokens=8, progress=False)
+    saved = tmp_path / "partial.json"
+    saved.write_text(json.dumps(report))
+    assert evaluate_cli.main(["--rescore", str(saved), "--sweep", str(tmp_path / "adapter" / "sweep.json")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert load_sweep(tmp_path / "adapter") == json.loads(json.dumps(from_report(report)))
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_cli_five_gsm8k_problems_default_model(tmp_path, capsys):
