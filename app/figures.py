@@ -363,7 +363,7 @@ def tradeoff_figure(sweep: dict | None, *, tau: float | None = None, k_max: int 
         if line:
             common["line"] = {"color": colour, "dash": dash or "solid"}
         fig.add_trace(go.Scatter(x=xs, y=ys_top, text=text, textposition="top right", showlegend=legend,
-                                 **common), row=1, col=1)
+                                 cliponaxis=False, **common), row=1, col=1)  # labels at 100% stay whole
         fig.add_trace(go.Scatter(x=xs, y=ys_bottom, showlegend=False, **common), row=2, col=1)
 
     def hover_of(p: dict) -> str:

@@ -681,11 +681,16 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True,
                     measure_btn = gr.Button("Measure the trade-off", elem_id="measure-tradeoff", size="sm",
                                             visible=sweep0[0] is None)
                 with gr.Column(scale=4, min_width=300):
+                    what = ("the share of answers identical to standard decoding's and their likelihood under the "
+                            "model.")
                     measure_status = gr.HTML(
-                        '<div class="mtp-measure-status">ConfAdapt at tau ' + ", ".join(f"{t:g}" for t in SWEEP_TAUS)
-                        + f" and lossless on the {len(examples)} example prompts, {SWEEP_MAX_NEW_TOKENS} tokens each: "
-                        "the share of answers identical to standard decoding's and their likelihood under the model."
-                        "</div>", elem_id="measure-status", js_on_load=None)
+                        '<div class="mtp-measure-status">'
+                        + (f"From the checkpoint's own sweep ({sweep0[0].get('n_prompts')} prompts, "
+                           f"{sweep0[0].get('max_new_tokens')} tokens each): {what}" if sweep0[0] is not None else
+                           "Measures ConfAdapt at tau " + ", ".join(f"{t:g}" for t in SWEEP_TAUS)
+                           + f" and lossless on the {len(examples)} example prompts, {SWEEP_MAX_NEW_TOKENS} tokens "
+                           f"each: {what}")
+                        + "</div>", elem_id="measure-status", js_on_load=None)
         with gr.Accordion("Per-pass timing", open=False, elem_id="pass-table-accordion"):
             table = gr.HTML(render.pass_table_html(None), elem_id="pass-table", js_on_load=None)
         with gr.Accordion("Model", open=False, elem_id="model-accordion"):
