@@ -29,6 +29,7 @@ if [ -f "$DATA" ]; then STEM=$(basename "$DATA" .jsonl); else STEM=${DATA//[:\/]
 ANSWERS_FILE=${ANSWERS_FILE:-runs/self_answers/${STEM}.jsonl}
 MAX_NEW=${MAX_NEW:-192}
 SEQ_LEN=${SEQ_LEN:-160}
+LORA_RANK=${LORA_RANK:-32}   # the shipped adapter's rank (a larger value grows it when continuing; it cannot shrink)
 GPU=${GPU:-auto}   # auto: CUDA if torch sees it (GPU=1 / GPU=0 force the settings, e.g. with DRY_RUN=1)
 [ "$GPU" = auto ] && { "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null && GPU=1 || GPU=0; }
 if [ "$GPU" = 1 ]; then
@@ -51,7 +52,7 @@ extra=()
 
 gen=("$PY" -m model.self_answers --base "$BASE" --data "$DATA" --out "$ANSWERS_FILE" --batch-size "$ANSWER_BATCH"
      --max-new-tokens "$MAX_NEW" "${limit[@]}" "${threads[@]}")
-train=("$PY" -m model.train --base "$BASE" --data "$ANSWERS_FILE" --output "$OUT" --adapter alora --lora-rank 16
+train=("$PY" -m model.train --base "$BASE" --data "$ANSWERS_FILE" --output "$OUT" --adapter alora --lora-rank "$LORA_RANK"
        --k-max 4 --spacing 4 --lr 1e-3 --warmup 20 --batch-size "$BATCH" --seq-len "$SEQ_LEN" --max-steps "$MAX_STEPS"
        --save-every "$SAVE_EVERY" --keep-checkpoints 1 --compact-checkpoints --log-every 1 --seed 0
        --save-dtype bfloat16 --mixed-precision auto "${budget[@]}" "${threads[@]}" "${extra[@]}")

@@ -175,3 +175,9 @@ def test_default_recipe_script_runs_tiny_and_resumes(tmp_path, tiny_model_dir):
     dry = subprocess.run(["bash", script], env={**env, "DRY_RUN": "1", "GPU": "1", "BATCH": "", "MINUTES": "90"},
                          capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0 and "--batch-size 64" in dry.stdout and "--max-minutes 90" in dry.stdout
+    # the default (CONTINUE=1) continues the shipped adapter at its own rank: a smaller --lora-rank would be refused
+    shipped = json.loads((ROOT / "assets" / "smollm2-135m-mtp" / "adapter_config.json").read_text())["r"]
+    dry = subprocess.run(["bash", script], env={**env, "DRY_RUN": "1", "BASE": "smollm2-135m", "CONTINUE": "1"},
+                         capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    assert "--init-adapter assets/smollm2-135m-mtp" in dry.stdout and f"--lora-rank {shipped} " in dry.stdout
