@@ -36,16 +36,22 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 # --------------------------------------------------------------------------------- matrices
+#: Most rows a prepacked oneDNN bf16 product takes. Up to 32 rows it gives ``F.linear``'s bits on every CPU
+#: measured; above, on CPUs with AMX, oneDNN switches kernels and the bits differ (measured: 33+ rows, one
+#: and two threads). Wider products (a prefill) run ``F.linear`` on the library's own weights instead.
+PACKED_MAX_ROWS = 32
+
 class Linear:
     """``y = x W^T (+ b)`` for 2-D ``x`` (``[T, in] -> [T, out]``), W prepacked for oneDNN when ``pack``.
 
     Unpacked and without bias it calls ``torch.mm`` on a transposed view stored once: the kernel
     ``F.linear`` reaches (same bits), without the ``linear`` / ``t`` / ``matmul`` dispatches in between."""
 
-    __slots__ = ("w", "wt", "b", "packed", "out_features")
+    __slots__ = ("w", "wt", "b", "packed", "out_features", "plain")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool):
         weight = weight.detach().contiguous()
+        self.plain = weight  # the library's weight (a view of the model's, no copy): wide passes use it
         self.out_features = weight.shape[0]
         self.b = bias.detach().contiguous() if bias is not None else None
         self.packed = False
@@ -60,6 +66,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
+            if x.shape[0] > PACKED_MAX_ROWS:
+                return F.linear(x, self.plain, self.b)
             return torch.ops.mkldnn._linear_pointwise(x, self.w, self.b, "none", [], "")
         if self.b is None:
             return torch.mm(x, self.wt)
@@ -120,7 +128,7 @@ class ProjGroup:
     stacked output when stacked), the adapter's delta added to the last ``rows`` rows.
     """
 
-    __slots__ = ("parts", "sizes", "stacked", "lora")
+    __slots__ = ("parts", "sizes", "stacked", "lora", "members")
 
     def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None], pack: bool,
                  stack: bool, lora: LoraDelta | None):
@@ -133,6 +141,8 @@ class ProjGroup:
             self.parts = [Linear(torch.cat([w.detach() for w in weights]), bias, pack)]
         else:
             self.parts = [Linear(w, b, pack) for w, b in zip(weights, biases)]
+        # a stacked group's members as the library holds them (views, no copy): wide passes run them one by one
+        self.members = [(w.detach(), None if b is None else b.detach()) for w, b in zip(weights, biases)]
         self.lora = lora
 
     def __call__(self, x: torch.Tensor, rows: int = 0) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
@@ -141,7 +151,10 @@ class ProjGroup:
             if rows and self.lora is not None:
                 self.lora.add_to(outs, x, rows)
             return (outs[0] if len(outs) == 1 else None), outs
-        out = self.parts[0](x)
+        if self.parts[0].packed and x.shape[0] > PACKED_MAX_ROWS:
+            out = torch.cat([F.linear(x, w, b) for w, b in self.members], dim=-1)
+        else:
+            out = self.parts[0](x)
         if rows and self.lora is not None:
             self.lora.add_to((out,), x, rows)
         views, start = [], 0

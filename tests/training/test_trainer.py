@@ -42,7 +42,10 @@ def test_mtp_training_raises_teacher_agreement(base_tokenizer, tmp_path):
     run ended at 0.96 on one machine and 0.851 on another, deterministically), and one 40-step run
     ends anywhere in ~0.84-0.95 depending on seeds (measured over 9 pre-training x MTP seeds). So
     three MTP seeds are averaged over their last 10 steps, and the bar (0.75, with a rise of at
-    least 0.3 over each run's first step) sits well below the 0.88-0.94 seed means measured. About
+    least 0.3 over each run's first step) sits well below the 0.88-0.94 seed means measured. The
+    confidence at masks is checked the same way, as calibration (its last-10-step mean within 0.15 of
+    the agreement's; measured 0.006-0.05 against 0.34-0.62 at the first step), not as the last step
+    above the first (one step's confidence swings with its k: 0.72 after 0.81 on one machine). About
     15 s (one torch thread)."""
     lm, examples = pretrained_teacher(base_tokenizer)
     starts, ends = [], []
@@ -52,7 +55,11 @@ def test_mtp_training_raises_teacher_agreement(base_tokenizer, tmp_path):
         start = log[0]["agreement_mask"]
         end = sum(r["agreement_mask"] for r in log[-10:]) / 10
         assert end > start + 0.3, (seed, start, end)
-        assert log[-1]["confidence_mask"] > log[0]["confidence_mask"]
+        # ConfAdapt reads the student's confidence as the chance of being right: the untrained masks are
+        # confident and wrong (confidence ~0.8 at agreement ~0.2); training brings the two together
+        conf_start, conf_end = log[0]["confidence_mask"], sum(r["confidence_mask"] for r in log[-10:]) / 10
+        assert abs(conf_end - end) < 0.15 and abs(conf_end - end) < abs(conf_start - start) - 0.2, (
+            seed, start, conf_start, end, conf_end)
         assert {r["k"] for r in log} <= {2, 3, 4} and len({r["k"] for r in log}) > 1
         starts.append(start)
         ends.append(end)
