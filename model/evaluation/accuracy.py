@@ -25,10 +25,13 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import psutil
 from tqdm import tqdm
 
 from ..engine.decoding import GenerationResult, run
@@ -40,6 +43,8 @@ from .gsm8k import extract_answer, is_correct, make_prompt
 DEFAULT_STRATEGIES = (
     "standard,static:2,static:3,static:4,confadapt:0.95,confadapt:0.9,confadapt:0.8,confadapt:0.7,verify")
 CHROMIUM = "/usr/bin/chromium"
+PNG_TIMEOUT_S = 90.0  # one export takes ~3 s; a browser that never answers must not hang an evaluation
+_PNG_EXPORT = "import sys, plotly.io as pio; pio.read_json(sys.argv[1]).write_image(sys.argv[2])"
 
 
 def _stderr(p: float, n: int) -> float:
@@ -276,26 +281,60 @@ def pareto_figure(report: dict):
     return fig
 
 
-def write_figure(report: dict, out_json: Path) -> dict:
+def write_figure(report: dict, out_json: Path, png_timeout_s: float = PNG_TIMEOUT_S) -> dict:
     """Write ``<out>.html`` (self-contained) and ``<out>.png`` beside the JSON file.
 
     PNG export uses kaleido with Chromium (``BROWSER_PATH``, default /usr/bin/chromium when it
-    exists). Returns ``{"html": path, "png": path or None, "png_error": message or None}``;
-    a failed PNG export is reported there, never raised (the HTML is always written).
+    exists), in a child process given ``png_timeout_s`` seconds: a browser that starts but never
+    answers is killed with its process group instead of hanging the run. Returns
+    ``{"html": path, "png": path or None, "png_error": message or None}``; a failed or timed-out
+    PNG export is reported there, never raised (the HTML is always written).
     """
     fig = pareto_figure(report)
     html = out_json.with_suffix(".html")
     png = out_json.with_suffix(".png")
     fig.write_html(str(html), include_plotlyjs=True, full_html=True)
-    if "BROWSER_PATH" not in os.environ and Path(CHROMIUM).exists():
-        os.environ["BROWSER_PATH"] = CHROMIUM
-    try:
-        fig.write_image(str(png))
+    env = dict(os.environ)
+    if "BROWSER_PATH" not in env and Path(CHROMIUM).exists():
+        env["BROWSER_PATH"] = CHROMIUM
+    error = _export_png(fig.to_json(), png, env, png_timeout_s)
+    if error is None:
         return {"html": str(html), "png": str(png), "png_error": None}
-    except Exception as e:  # kaleido without a Chrome, or a broken browser
-        msg = (f"PNG export failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-               "kaleido needs Chrome/Chromium: set BROWSER_PATH. The HTML figure was written.")
-        return {"html": str(html), "png": None, "png_error": msg}
+    return {"html": str(html), "png": None,
+            "png_error": f"PNG export failed ({error}); kaleido needs Chrome/Chromium: set BROWSER_PATH. "
+                         "The HTML figure was written."}
+
+
+def _export_png(figure_json: str, png: Path, env: dict, timeout_s: float) -> str | None:
+    """Run kaleido in a child process; return None on success, else a one-line reason.
+
+    On timeout the child and every process under it are killed (the browser runs in a session of its own,
+    so the child's process group would not reach it)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "figure.json"
+        spec.write_text(figure_json)
+        proc = subprocess.Popen([sys.executable, "-c", _PNG_EXPORT, str(spec), str(png)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            _, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            try:
+                tree = psutil.Process(proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                tree = []
+            proc.kill()
+            for child in tree:
+                try:
+                    child.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            psutil.wait_procs(tree, timeout=5)
+            proc.communicate()
+            return f"no image after {timeout_s:.0f} s"
+    if proc.returncode == 0 and png.exists():
+        return None
+    lines = [ln for ln in (err or "").strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else f"exit code {proc.returncode}"
 
 
 def _drafts_cell(row: dict) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,25 @@ def test_pareto_figure_and_files(tmp_path):
         assert "BROWSER_PATH" in paths["png_error"]
     else:
         assert Path(paths["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_png_export_that_never_answers_is_stopped(tmp_path, monkeypatch):
+    """A browser that starts and never answers (here a script that only sleeps) costs png_timeout_s, not the
+    run: the HTML is written, the PNG is reported missing with the reason, and the browser is killed."""
+    hang = tmp_path / "browser"
+    hang.write_text(f"#!/bin/sh\necho $$ > {tmp_path / 'pid'}\nexec sleep 600\n")
+    hang.chmod(0o755)
+    monkeypatch.setenv("BROWSER_PATH", str(hang))
+    rep = {"config": {"model": "m", "n_problems": 1, "max_new_tokens": 8},
+           "strategies": [{"strategy": "standard", "label": "standard", "name": "standard", "k": 1.0, "tau": None,
+                           "k_max": 1, "accuracy": 0.5, "accuracy_stderr": 0.5, "effective_k_mean": 1.0}]}
+    t0 = time.monotonic()
+    paths = write_figure(rep, tmp_path / "r.json", png_timeout_s=8)
+    assert time.monotonic() - t0 < 60
+    assert Path(paths["html"]).exists() and paths["png"] is None
+    assert "BROWSER_PATH" in paths["png_error"] and "The HTML figure was written" in paths["png_error"]
+    pid_file = tmp_path / "pid"
+    if pid_file.exists():  # kaleido got as far as starting the browser: it must be gone now
+        pid = int(pid_file.read_text())
+        time.sleep(0.5)
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
