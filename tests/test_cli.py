@@ -175,14 +175,13 @@ def test_every_cli_refuses_a_device_it_cannot_run(tiny_train_dir, tmp_path, caps
         assert len(err) == 1 and err[0].startswith("error: ") and why in err[0], (main.__module__, err)
 
 
-def test_fsdp_launch_is_refused_before_loading(tiny_train_dir, tmp_path, capsys, monkeypatch):
+def test_fsdp_launch_of_an_adapter_is_refused_before_loading(tiny_train_dir, tmp_path, capsys, monkeypatch):
     """Under ``accelerate launch --use_fsdp`` (it sets ACCELERATE_USE_FSDP): LoRA / aLoRA are refused (the
-    teacher is the student with its adapter off, which peft cannot do in sharded modules), and so is any
-    run on a CPU (accelerate shards over GPUs only)."""
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    teacher is the student with its adapter off, which peft cannot do in sharded modules); full
+    fine-tunes shard (tests/training/test_trainer.py)."""
     for kind, why in ((["--adapter", "alora"], "FSDP trains full fine-tunes only"),
-                      (["--lora-rank", "4"], "FSDP trains full fine-tunes only"),
-                      (["--lora-rank", "0"], "FSDP needs GPUs")):
+                      (["--lora-rank", "4"], "FSDP trains full fine-tunes only")):
+        monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
         out = tmp_path / f"fsdp{len(kind)}{kind[-1]}"
         assert train_cli.main(train_args(tiny_train_dir, out, "--max-steps", "1", *kind)) == 2
         err = capsys.readouterr().err

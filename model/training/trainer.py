@@ -14,9 +14,10 @@ out ``--batch-size`` sequences per process with ``M`` MTP regions each
 Phases: :func:`prepare_run` (data, model, optimizer, resume), :func:`train_step` until ``--max-steps``
 or a time budget, :func:`save_checkpoint` / :func:`export_snapshot` along the way, :func:`finish`.
 Mixed precision ``auto`` is bf16 autocast wherever the device computes bf16 natively. DDP runs under
-``accelerate launch`` (tested with 2 CPU processes). FSDP is refused at start for LoRA / aLoRA, whose
-teacher is the student with its adapter disabled (peft cannot switch an adapter off inside FSDP's
-sharded modules), and on a CPU (accelerate's FSDP needs GPUs): :func:`check_fsdp`.
+``accelerate launch`` (tested with 2 CPU processes). ``accelerate launch --use_fsdp`` shards a full
+fine-tune with torch's FSDP2 on any device (:mod:`model.training.fsdp`; tested with 2 CPU processes);
+it is refused at start for LoRA / aLoRA, whose teacher is the student with its adapter disabled
+(peft cannot switch an adapter off inside sharded modules): :func:`check_fsdp`.
 
 Outputs in ``--output``: ``train_log.jsonl`` (one JSON object per step, plus ``event`` lines: the
 data, skipped batches, evaluations), ``checkpoint-STEP/`` (resumable: trainable weights, optimizer,
@@ -54,6 +55,7 @@ from ..engine.precision import native_bf16
 from ..errors import CheckpointError, NonFiniteLossError
 from .config import DEFAULT_LORA_RANK, TrainConfig
 from .data import Example, encode, load_examples
+from . import fsdp
 from .layout import default_num_regions, sample_block
 from .heldout import score_agreement
 from .objective import Setup, batch_objective
@@ -214,11 +216,26 @@ def resolve_resume(resume: str, output: Path) -> Path | None:
 
 def params_digest(model: Any) -> str:
     """SHA-256 over every parameter's bytes (name order): equal digests = identical weights."""
+    return state_digest(dict(model.named_parameters()))
+
+
+def state_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over named tensors' float32 bytes, in name order."""
     h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters(), key=lambda x: x[0]):
+    for name, p in sorted(tensors.items(), key=lambda x: x[0]):
         h.update(name.encode())
         h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def _full_weights(run: Run) -> dict | None:
+    """A full fine-tune's whole weights for an export (process 0; a collective under DDP and FSDP);
+    None for adapters (the export reads the adapter from the module)."""
+    if run.setup.kind != "full":
+        return None
+    if run.sharded:
+        return fsdp.full_model_state(run.student)
+    return run.accelerator.get_state_dict(run.student)
 
 
 # ------------------------------------------------------------------------------ data
@@ -312,6 +329,7 @@ class Run:
     step: int = 0
     cpu_seconds: float = 0.0  # training CPU seconds so far (all runs of this output, resumes included)
     heldout: Any = None  # () -> dict, or None
+    sharded: bool = False  # FSDP: student and teacher sharded over the processes (model.training.fsdp)
 
     @property
     def main(self) -> bool:
@@ -355,23 +373,18 @@ def build_optimizer(cfg: TrainConfig, student: Any) -> tuple[list, Any, Any]:
     return params, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def check_fsdp(cfg: TrainConfig, device: torch.device) -> None:
+def check_fsdp(cfg: TrainConfig, sharded: bool) -> None:
     """Refuse, before anything loads, an FSDP launch (``accelerate launch --use_fsdp``) that cannot work:
-    LoRA / aLoRA (the teacher is the student with its adapter switched off, which peft cannot do inside
-    FSDP's sharded modules) and any run on a CPU (accelerate's FSDP needs GPUs).
+    LoRA / aLoRA, whose teacher is the student with its adapter switched off, which peft cannot do inside
+    sharded modules. Full fine-tunes shard on any device (:mod:`model.training.fsdp`).
 
     Raises:
         ValueError: saying what to launch instead.
     """
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() not in ("1", "true", "yes"):
-        return
-    if cfg.kind != "full":
+    if sharded and cfg.kind != "full":
         raise ValueError(f"FSDP trains full fine-tunes only: with --adapter {cfg.kind} the teacher is the student "
-                         "with its adapter switched off, which peft cannot do inside FSDP's sharded modules. Launch "
-                         "with DDP (accelerate launch --multi_gpu ...) or use --adapter full.")
-    if device.type == "cpu":
-        raise ValueError("FSDP needs GPUs (accelerate shards only over CUDA-like devices); on the CPU launch DDP "
-                         "instead: accelerate launch --multi_gpu --num_processes 2 -m model.train ...")
+                         "with its adapter switched off, which peft cannot do inside sharded modules. Launch "
+                         "with DDP (accelerate launch --multi_gpu ...) or use --adapter full (--lora-rank 0).")
 
 
 def prepare_run(cfg: TrainConfig, lm: LoadedModel | None, examples: Sequence[Example] | None) -> Run:
@@ -389,7 +402,8 @@ def prepare_run(cfg: TrainConfig, lm: LoadedModel | None, examples: Sequence[Exa
         examples = load_examples(cfg.data, need_response=cfg.self_distill_answers <= 0, split=cfg.data_split,
                                  limit=cfg.max_examples)
     device = resolve_device(cfg.device)
-    check_fsdp(cfg, device)
+    sharded = fsdp.take_request()  # before anything loads: transformers reads the same flag when loading
+    check_fsdp(cfg, sharded)
     from accelerate.state import AcceleratorState
 
     if AcceleratorState._shared_state:  # an earlier run in this process (tests): its precision may differ
@@ -403,12 +417,18 @@ def prepare_run(cfg: TrainConfig, lm: LoadedModel | None, examples: Sequence[Exa
         output.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
     data = prepare_data(cfg, setup.lm, examples, accelerator)
+    if sharded:  # FSDP2 by the trainer itself: accelerate only runs the processes (model.training.fsdp)
+        fsdp.shard(setup.student)
+        fsdp.shard(setup.teacher)
     params, optimizer, scheduler = build_optimizer(cfg, setup.student)
-    student, optimizer, scheduler = accelerator.prepare(setup.student, optimizer, scheduler)
+    if sharded:
+        student = setup.student
+    else:
+        student, optimizer, scheduler = accelerator.prepare(setup.student, optimizer, scheduler)
     run = Run(cfg=cfg, accelerator=accelerator, setup=setup, student=student, unwrapped=accelerator.unwrap_model(student),
               optimizer=optimizer, scheduler=scheduler, params=params, data=data,
               num_regions=cfg.num_regions or default_num_regions(cfg.seq_len, cfg.k_max),
-              spacing=cfg.spacing or 2 * cfg.k_max, output=output)
+              spacing=cfg.spacing or 2 * cfg.k_max, output=output, sharded=sharded)
     if run.main and data.skipped and run.step == 0 and not cfg.resume:  # what the data lost, once, in the log
         run.log({"event": "data", "sequences": len(data), "skipped": len(data.skipped),
                  "skipped_rows": data.skipped[:20]})
@@ -439,7 +459,10 @@ def train_step(run: Run) -> dict:
     filled = 0  # micro-batches with an MTP region on this process
     for micro in range(cfg.grad_accum):
         idx = batch_indices(run.step, micro, acc.process_index, cfg, acc.num_processes, len(run.data))
-        sync = contextlib.nullcontext() if micro == cfg.grad_accum - 1 else acc.no_sync(run.student)
+        if micro == cfg.grad_accum - 1:
+            sync: Any = contextlib.nullcontext()
+        else:
+            sync = fsdp.no_sync(run.student) if run.sharded else acc.no_sync(run.student)
         with sync, acc.autocast():
             out = batch_objective(run.setup, run.student, run.unwrapped, [run.data.seqs[i] for i in idx],
                                   [run.data.starts[i] for i in idx], k=k, offset=offset, spacing=run.spacing,
@@ -460,7 +483,10 @@ def train_step(run: Run) -> dict:
         return {"step": run.step, "event": "skipped", "why": f"no MTP region in the batch (k={k}, offset {offset})",
                 "k": k, "offset": offset}
     sums = {key: v * cfg.grad_accum / max(filled, 1) for key, v in sums.items()}
-    grad_norm = acc.clip_grad_norm_(run.params, cfg.grad_clip)
+    if run.sharded:  # DTensor gradients: torch's clip reduces the norm over the processes
+        grad_norm = fsdp.as_float(torch.nn.utils.clip_grad_norm_(run.params, cfg.grad_clip))
+    else:
+        grad_norm = acc.clip_grad_norm_(run.params, cfg.grad_clip)
     bad = torch.tensor([float(not math.isfinite(sums["loss"]) or not math.isfinite(float(grad_norm)))],
                        device=acc.device)
     if float(acc.reduce(bad, reduction="max")) > 0:  # every process stops, before any update
@@ -523,14 +549,16 @@ def save_checkpoint(run: Run) -> Path:
     acc, d = run.accelerator, run.output / f"checkpoint-{run.step}"
     handle = acc.register_save_state_pre_hook(_trainable_only(run)) if run.setup.kind != "full" else None
     try:
-        acc.save_state(str(d))
+        acc.save_state(str(d))  # sharded: the RNG of every process only (the model was not handed to accelerate)
     finally:
         if handle is not None:
             handle.remove()
+    if run.sharded:
+        _save_sharded(run, d)
     if run.main and run.cfg.compact_checkpoints:
         _compact_optimizer_file(d)
     if run.main:
-        state = {"step": run.step, "cpu_seconds": run.cpu_seconds, "config": asdict(run.cfg)}
+        state = {"step": run.step, "cpu_seconds": run.cpu_seconds, "sharded": run.sharded, "config": asdict(run.cfg)}
         (d / STATE_FILE).write_text(json.dumps(state, indent=1, default=str, allow_nan=False))
         for old in _checkpoints(run.output)[: -run.cfg.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
@@ -538,13 +566,54 @@ def save_checkpoint(run: Run) -> Path:
     return d
 
 
+SHARDED_FILES = ("model.safetensors", "optimizer.bin", "scheduler.bin")
+
+
+def _save_sharded(run: Run, d: Path) -> None:
+    """An FSDP run's weights, AdamW state and schedule, gathered whole on process 0 and written as the
+    files an unsharded full run's checkpoint holds (collective: every process calls it)."""
+    from safetensors.torch import save_file
+
+    weights = fsdp.full_model_state(run.student)
+    optim = fsdp.full_optimizer_state(run.student, run.optimizer)
+    if run.main:
+        # clone: tied weights share storage, which safetensors refuses
+        save_file({k: v.contiguous().clone() for k, v in weights.items()}, str(d / SHARDED_FILES[0]))
+        torch.save(optim, d / SHARDED_FILES[1])
+        torch.save(run.scheduler.state_dict(), d / SHARDED_FILES[2])
+    run.accelerator.wait_for_everyone()
+
+
+def _load_sharded(run: Run, d: Path) -> None:
+    from safetensors.torch import load_file
+
+    missing = [f for f in SHARDED_FILES if not (d / f).is_file()]
+    if missing:
+        raise CheckpointError(f"{d}: incomplete checkpoint of a sharded (FSDP) run, it lacks {', '.join(missing)}.")
+    fsdp.load_full_state(run.student, run.optimizer, load_file(str(d / SHARDED_FILES[0])),
+                         torch.load(d / SHARDED_FILES[1], weights_only=False))
+    run.scheduler.load_state_dict(torch.load(d / SHARDED_FILES[2], weights_only=False))
+
+
 def resume_run(run: Run, resume_dir: Path | None) -> None:
-    """Load a checkpoint written by :func:`save_checkpoint` into the run (nothing when None)."""
+    """Load a checkpoint written by :func:`save_checkpoint` into the run (nothing when None).
+
+    Raises:
+        CheckpointError: a checkpoint of a sharded (FSDP) run resumed without FSDP, or the other way round
+            (their optimizer files differ).
+    """
     if resume_dir is None:
         return
+    state = json.loads((resume_dir / STATE_FILE).read_text())
+    if bool(state.get("sharded", False)) != run.sharded:
+        how = "with" if state.get("sharded") else "without"
+        raise CheckpointError(f"{resume_dir} was written by a run {how} FSDP; resume it the same way "
+                              f"({'accelerate launch --use_fsdp' if state.get('sharded') else 'no --use_fsdp'}), "
+                              "or start a new --output.")
     # strict=False: an adapter run's checkpoint holds only the trainable weights (_trainable_only).
     run.accelerator.load_state(str(resume_dir), strict=run.setup.kind == "full")
-    state = json.loads((resume_dir / STATE_FILE).read_text())
+    if run.sharded:
+        _load_sharded(run, resume_dir)
     run.step, run.cpu_seconds = state["step"], float(state.get("cpu_seconds", 0.0))
     if run.main:
         _truncate_log(run.output / LOG_FILE, run.step)
@@ -568,7 +637,7 @@ def export_snapshot(run: Run) -> Path | None:
     """``--export-every``: the model as the final export would be now, in ``exports/step-STEP``
     (a loadable adapter or model directory: a curve of held-out figures against sequences seen)."""
     d = run.output / "exports" / f"step-{run.step}"
-    sd = run.accelerator.get_state_dict(run.student) if run.setup.kind == "full" else None
+    sd = _full_weights(run)
     if run.main:
         export_model(run.cfg, run.setup.lm, run.unwrapped, d, state_dict=sd)
         (d / "trained.json").write_text(json.dumps({"step": run.step, "seen": run.step * run.per_step,
@@ -592,18 +661,28 @@ def _out_of_time(run: Run, started: float) -> str | None:
     return None
 
 
+def log_heldout(run: Run, when: str) -> None:
+    """``--eval-examples``: the held-out figures logged as ``{"eval": when, ...}``. Process 0 scores
+    them, or every process when the model is sharded (each forward pass gathers the layers)."""
+    if run.heldout is None or not (run.main or run.sharded):
+        return
+    run.log({"eval": when, "step": run.step, **run.heldout()})
+
+
 def finish(run: Run) -> None:
     """Final held-out evaluation, the export to ``output/final``, and the DDP digest (tests)."""
-    if run.heldout is not None and run.main:
-        run.log({"eval": "after", "step": run.step, **run.heldout()})
+    log_heldout(run, "after")
     run.accelerator.wait_for_everyone()
-    sd = run.accelerator.get_state_dict(run.student) if run.setup.kind == "full" else None
+    sd = _full_weights(run)
     if run.main:
         export_model(run.cfg, run.setup.lm, run.unwrapped, run.output / "final", state_dict=sd)
         print(f"saved {run.output / 'final'}", file=sys.stderr)
     if run.cfg.debug_dump_params:
+        # sharded: the digest of the gathered weights (each process holds only its slice)
+        digest = (state_digest(fsdp.full_model_state(run.student, everywhere=True)) if run.sharded
+                  else params_digest(run.unwrapped))
         (run.output / f"params_rank{run.accelerator.process_index}.json").write_text(
-            json.dumps({"step": run.step, "sha256": params_digest(run.unwrapped)}, allow_nan=False))
+            json.dumps({"step": run.step, "sha256": digest}, allow_nan=False))
     run.accelerator.wait_for_everyone()
     run.accelerator.end_training()
 
@@ -629,8 +708,8 @@ def train(cfg: TrainConfig, *, lm: LoadedModel | None = None, examples: Sequence
     from tqdm.auto import tqdm
 
     run = prepare_run(cfg, lm, examples)
-    if run.heldout is not None and run.main and run.step == 0:
-        run.log({"eval": "before", "step": 0, **run.heldout()})
+    if run.step == 0:
+        log_heldout(run, "before")
     started = time.perf_counter()
     bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not run.main, desc=f"MTP {run.setup.kind}",
                dynamic_ncols=True)

@@ -115,6 +115,57 @@ def test_ddp_two_processes_identical_weights(tiny_train_dir, tmp_path):
     assert (out / "final" / "adapter_model.safetensors").stat().st_size < 2_000_000
 
 
+def _launch(out: Path, port: int, launcher: list[str], *extra: str, tiny_train_dir: Path) -> subprocess.CompletedProcess:
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", *launcher, "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
+           "-m", "model.train", *train_args(tiny_train_dir, out, *extra)]
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+def test_fsdp_full_fine_tune_on_two_cpu_processes(tiny_train_dir, tmp_path, capsys):
+    """`accelerate launch --use_fsdp --num_processes 2` of a full fine-tune on a CPU: the trainer shards
+    student and teacher with FSDP2 over gloo. Two steps, a checkpoint of the whole weights, then a
+    resumed launch to step 4; the weights equal a DDP run of the same 4 steps (the same gradient
+    average, reduced in another order) and the export decodes."""
+    if torch.cuda.is_available():
+        pytest.skip("this check is for CPU-only machines")
+    full = ["--lora-rank", "0", "--save-every", "2", "--keep-checkpoints", "3", "--debug-dump-params"]
+    sharded, ddp = tmp_path / "fsdp", tmp_path / "ddp"
+    r = _launch(sharded, 29541, ["--use_fsdp"], *full, "--max-steps", "2", tiny_train_dir=tiny_train_dir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cp = sharded / "checkpoint-2"
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
+            "random_states_1.pkl"} <= {p.name for p in cp.iterdir()}
+    whole = load_file(str(cp / "model.safetensors"))  # the whole weights, not one process's slice
+    base = load_file(str(tiny_train_dir / "model" / "model.safetensors"))
+    assert whole.keys() >= base.keys() and all(whole[k].shape == base[k].shape for k in base)
+    r = _launch(sharded, 29542, ["--use_fsdp"], *full, "--max-steps", "4", "--resume", "auto",
+                tiny_train_dir=tiny_train_dir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stderr and "checkpoint-2" in r.stderr
+    r = _launch(ddp, 29543, ["--multi_gpu"], *full, "--max-steps", "4", tiny_train_dir=tiny_train_dir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d0, d1 = (json.loads((sharded / f"params_rank{i}.json").read_text()) for i in (0, 1))
+    assert d0["step"] == d1["step"] == 4 and d0["sha256"] == d1["sha256"]
+    log_s = [json.loads(x) for x in (sharded / "train_log.jsonl").read_text().splitlines()]
+    log_d = [json.loads(x) for x in (ddp / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log_s] == [1, 2, 3, 4] and log_s[0]["sequences"] == 4
+    assert [(r["k"], r["offset"]) for r in log_s] == [(r["k"], r["offset"]) for r in log_d]
+    assert all(math.isclose(a["loss"], b["loss"], rel_tol=1e-4, abs_tol=1e-4) for a, b in zip(log_s, log_d))
+    ws, wd = load_file(str(sharded / "checkpoint-4" / "model.safetensors")), load_file(str(ddp / "checkpoint-4" / "model.safetensors"))
+    assert ws.keys() == wd.keys()
+    assert max(float((ws[k] - wd[k]).abs().max()) for k in ws) < 1e-4
+    assert not all(torch.equal(ws[k], whole[k]) for k in ws)  # steps 3-4 did train
+    lm = load_checkpoint(str(sharded / "final"), device="cpu", dtype="float32")
+    assert lm.mtp_trained and lm.adapter is None
+    dec = Decoder(lm, lm.prompt_ids("What is 1 plus 2?"), confadapt(0.5, 4), max_new_tokens=6)
+    assert 1 <= len(list(dec)) <= 6
+    # A sharded run's checkpoint resumed without FSDP is refused with a clear message (its AdamW file differs).
+    assert main(train_args(tiny_train_dir, sharded, *full, "--max-steps", "5", "--resume", "auto")) == 2
+    err = capsys.readouterr().err
+    assert "written by a run with FSDP" in err and "Traceback" not in err
+
+
 # --------------------------------------------------------------- resume, export
 def test_kill_and_resume_equals_uninterrupted(tiny_train_dir, tmp_path):
     """Full fine-tune, 4 steps: killed (SIGKILL) right after the step-2 checkpoint and resumed ==
