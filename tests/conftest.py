@@ -29,6 +29,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: N workers share the co
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 GSM8K_SAMPLE = ROOT / "assets" / "gsm8k_test_sample.jsonl"  # 20 GSM8K test problems (MIT), in the repository
+GSM8K_TRAIN16 = ROOT / "tests" / "data" / "gsm8k_train16.jsonl"  # the first 16 GSM8K train rows (MIT)
 
 from model.engine.loading import load_checkpoint, wrap_model  # noqa: E402
 from model.engine.loaded_model import LoadedModel

@@ -23,7 +23,7 @@ from model.train import main
 from model.training.config import TrainConfig
 from model.training.trainer import export_model, load_for_training
 from model.errors import CheckpointError
-from tests.conftest import GSM8K_SAMPLE, ROOT, make_tiny, mtp_run, pretrained_teacher, train_args
+from tests.conftest import GSM8K_SAMPLE, GSM8K_TRAIN16, ROOT, make_tiny, mtp_run, pretrained_teacher, train_args
 
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT),
@@ -358,19 +358,24 @@ def test_a_one_token_answer_never_ends_the_run(tiny_train_dir, tmp_path, positio
     assert (out / "final" / "mtp_adapter.json").is_file()
 
 
-def test_rows_with_no_room_are_skipped_and_counted(tiny_train_dir, tmp_path, capsys):
-    """The first 16 GSM8K problems with --seq-len 96 --batch-size 2 --k-max 8 --lora-rank 4: the rows whose
-    prompt fills the sequence are skipped (named with file:line, counted on stderr and in the log) and the
-    run trains on the rest."""
+@pytest.mark.parametrize("source", ["train", "test"])
+def test_rows_with_no_room_are_skipped_and_counted(tiny_train_dir, tmp_path, capsys, source):
+    """The first 16 GSM8K train rows (tests/data/gsm8k_train16.jsonl, the rows a run died on) and the first
+    16 test rows, with --seq-len 96 --batch-size 2 --k-max 8 --lora-rank 4: the rows whose prompt fills the
+    sequence are skipped (named with file:line, counted on stderr and in the log) and the run trains on
+    the rest."""
     out = tmp_path / "run"
     data = tmp_path / "gsm8k16.jsonl"
-    data.write_text("".join(GSM8K_SAMPLE.read_text().splitlines(keepends=True)[:16]))
+    rows = GSM8K_TRAIN16 if source == "train" else GSM8K_SAMPLE
+    data.write_text("".join(rows.read_text().splitlines(keepends=True)[:16]))
     assert main(["--base", str(tiny_train_dir / "model"), "--data", str(data), "--output", str(out), "--batch-size", "2",
                  "--seq-len", "96", "--k-max", "8", "--lora-rank", "4", "--max-steps", "4", "--warmup", "1"]) == 0
     err = capsys.readouterr().err
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     event = log[0]
     assert event["event"] == "data" and event["skipped"] >= 1 and event["sequences"] + event["skipped"] == 16
+    if source == "train":  # the 7 prompts of 98-142 tokens that the crashed run dropped
+        assert event["skipped"] == 7
     assert all(row.startswith(f"{data}:") and "no room for an answer token" in row for row in event["skipped_rows"])
     assert f"note: {event['skipped']} of 16 examples skipped" in err
     assert [r["step"] for r in log[1:]] == [1, 2, 3, 4]
