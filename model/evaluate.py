@@ -23,7 +23,7 @@ import torch
 from .engine.loading import DEFAULT_SOURCE, load_checkpoint, trained_k_max
 from .engine.strategies import DEFAULT_K_MAX, SPEC_HELP, check_max_new_tokens, parse_strategies
 from .errors import NonFiniteLogitsError
-from .evaluation.accuracy import DEFAULT_STRATEGIES, evaluate, format_table, rescore, write_figure
+from .evaluation.accuracy import DEFAULT_STRATEGIES, evaluate, format_table, merge_reports, rescore, write_figure
 from .evaluation.gsm8k import STEP_BY_STEP, load_problems
 from .evaluation.sweep import from_report, write_sweep
 
@@ -35,10 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m model.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_SOURCE, help="smollm2-135m, a local dir / .gguf / adapter, or a hub id")
     p.add_argument("--data", default=None, help="GSM8K-format JSONL (question, answer with '#### number')")
-    p.add_argument("--rescore", default=None, metavar="REPORT.json",
+    p.add_argument("--rescore", default=None, nargs="+", metavar="REPORT.json",
                    help="re-extract the answers of a saved report with the current extractor (no model run); "
-                        "writes --out (default: overwrite REPORT.json) and its figure")
+                        "writes --out (default: overwrite REPORT.json) and its figure. Several reports (shards "
+                        "of one evaluation, see --offset) are merged into --out")
     p.add_argument("--limit", type=int, default=None, help="first N problems (default: all)")
+    p.add_argument("--offset", type=int, default=0,
+                   help="skip the first N problems (shards: --offset 0 --limit 100, --offset 100 --limit 100; "
+                        "merge them with --rescore A.json B.json --out ALL.json)")
     p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
                    help=f"comma-separated: {SPEC_HELP}")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -59,12 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 bad input)."""
     args = build_parser().parse_args(argv)
     if args.rescore:
+        names = ", ".join(args.rescore)
         try:
-            report = rescore(json.loads(Path(args.rescore).read_text()))
+            if len(args.rescore) > 1 and args.out == OUT_DEFAULT:
+                raise ValueError("several reports merge into one: name it with --out ALL.json")
+            reports = [json.loads(Path(f).read_text()) for f in args.rescore]
+            report = rescore(reports[0]) if len(reports) == 1 else merge_reports(reports)
         except (OSError, ValueError, KeyError) as e:
-            print(f"error: cannot rescore {args.rescore}: {e}", file=sys.stderr)
+            print(f"error: cannot rescore {names}: {e}", file=sys.stderr)
             return 2
-        out = Path(args.rescore) if args.out == OUT_DEFAULT else Path(args.out)
+        out = Path(args.rescore[0]) if args.out == OUT_DEFAULT else Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         report["figure"] = write_figure(report, out)
         out.write_text(json.dumps(report, indent=1, ensure_ascii=False, allow_nan=False))
@@ -79,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         check_max_new_tokens(args.max_new_tokens)
         default_k_max = trained_k_max(args.model, adapter=not args.no_adapter) or DEFAULT_K_MAX
         strategies = parse_strategies(args.strategies, default_k_max)  # K_MAX omitted: the model's own
-        problems = load_problems(args.data, args.limit)
+        problems = load_problems(args.data, args.limit, args.offset)
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads must be ≥ 1, got {args.threads}.")
         if out.suffix.lower() != ".json":

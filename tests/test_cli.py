@@ -231,6 +231,48 @@ def test_cli_rescore_writes_the_sweep_of_a_stopped_run(tiny_lm, tmp_path, capsys
     assert load_sweep(tmp_path / "adapter") == json.loads(json.dumps(from_report(report)))
 
 
+def test_cli_shards_merge_into_the_report_of_one_run(tiny_lm, tmp_path, capsys):
+    """Two shards (``--offset``/``--limit``) merged with ``--rescore A B --out ALL``: the problems, texts and
+    every summary figure but the timings equal one run over both problems; overlapping or mismatched
+    shards are refused with one error line."""
+    from model.engine.strategies import parse_strategies
+    from model.evaluation.accuracy import evaluate
+    from model.evaluation.gsm8k import load_problems
+
+    data = write_jsonl(tmp_path / "d.jsonl", GSM8K_PROBLEMS)
+    strategies = parse_strategies("standard,confadapt:0.5:4", 4)
+
+    def report(**kw):
+        return evaluate(tiny_lm, load_problems(data, **kw), strategies, max_new_tokens=8, progress=False)
+
+    whole = report()
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(report(limit=1)))
+    b.write_text(json.dumps(report(offset=1)))
+    out = tmp_path / "all.json"
+    assert evaluate_cli.main(["--rescore", str(b), str(a), "--out", str(out)]) == 0  # any order
+    merged = json.loads(out.read_text())
+    assert [row["index"] for row in merged["problems"]] == [0, 1]
+    assert merged["config"]["n_problems"] == 2 and merged["config"]["complete"] and merged["config"]["merged_from"] == 2
+    assert [[r["text"] for r in row["results"].values()] for row in merged["problems"]] == \
+        [[r["text"] for r in row["results"].values()] for row in whole["problems"]]
+    timing = {"seconds", "tokens_per_second"}
+    for m, w in zip(merged["strategies"], whole["strategies"]):
+        assert {k: v for k, v in m.items() if k not in timing} == json.loads(json.dumps(
+            {k: v for k, v in w.items() if k not in timing}))
+    capsys.readouterr()
+    for argv, why in ((["--rescore", str(a), str(a), "--out", str(out)], "Problem 0 is in two reports"),
+                      (["--rescore", str(a), str(b)], "name it with --out")):
+        assert evaluate_cli.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: cannot rescore") and why in err[0]
+    other = json.loads(b.read_text())
+    other["config"]["max_new_tokens"] = 16
+    b.write_text(json.dumps(other))
+    assert evaluate_cli.main(["--rescore", str(a), str(b), "--out", str(out)]) == 2
+    assert "differs from report 1 in max_new_tokens" in capsys.readouterr().err
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_cli_two_gsm8k_problems_default_model(tmp_path, capsys):

@@ -242,6 +242,52 @@ def rescore(report: dict) -> dict:
     return report
 
 
+MERGE_KEYS = ("model", "adapter", "dtype", "prompt_format", "max_new_tokens", "step_by_step", "strategies")
+
+
+def merge_reports(reports: Sequence[dict]) -> dict:
+    """One report from shards of one evaluation (e.g. ``--offset 0 --limit 100`` and ``--offset 100
+    --limit 100`` run in two processes): their problems in file order, then :func:`rescore`.
+
+    Args:
+        reports: reports written by ``python -m model.evaluate`` with the same model, adapter, dtype,
+            prompt format, token limit and strategies.
+
+    Returns:
+        A new report whose ``config`` is the first shard's with the problem counts, ``complete``
+        (every shard complete), the shards' ``wall_seconds`` summed, and ``merged_from`` (shard count).
+
+    Raises:
+        ValueError: no reports, something that is not a report, shards that differ in a setting of
+            :data:`MERGE_KEYS` (named), or a problem that two shards both hold (by index).
+    """
+    if not reports:
+        raise ValueError("No reports to merge.")
+    for r in reports:
+        if not isinstance(r, dict) or "problems" not in r or "strategies" not in r or "config" not in r:
+            raise ValueError("Not an evaluation report (needs 'config', 'problems' and 'strategies').")
+    first = reports[0]["config"]
+    for i, r in enumerate(reports[1:], start=2):
+        for key in MERGE_KEYS:
+            if r["config"].get(key) != first.get(key):
+                raise ValueError(f"Report {i} differs from report 1 in {key}: {r['config'].get(key)!r} vs "
+                                 f"{first.get(key)!r}; only shards of one evaluation merge.")
+    rows = [row for r in reports for row in r["problems"]]
+    seen: set[int] = set()
+    for row in rows:
+        if row["index"] in seen:
+            raise ValueError(f"Problem {row['index']} is in two reports; shards must not overlap.")
+        seen.add(row["index"])
+    config = dict(first, n_problems=len(rows), n_requested=sum(r["config"].get("n_requested", 0) for r in reports),
+                  complete=all(r["config"].get("complete", False) for r in reports), merged_from=len(reports))
+    if all("wall_seconds" in r["config"] for r in reports):
+        config["wall_seconds"] = sum(r["config"]["wall_seconds"] for r in reports)
+    merged = {"config": config, "strategies": [dict(s) for s in reports[0]["strategies"]],
+              "base_standard": reports[0].get("base_standard"),
+              "problems": sorted(rows, key=lambda row: row["index"])}
+    return rescore(merged)
+
+
 # --------------------------------------------------------------------------- figure
 def pareto_figure(report: dict):
     """Plotly figure: accuracy (± standard error) against mean effective k, one marker per strategy.

@@ -102,23 +102,29 @@ def is_correct(extracted: str | None, gold: str) -> bool:
 
 
 # --------------------------------------------------------------------------- problems
-def load_problems(path: str | Path, limit: int | None = None) -> list[dict]:
+def load_problems(path: str | Path, limit: int | None = None, offset: int = 0) -> list[dict]:
     """Read GSM8K-format JSONL: one ``{"question": ..., "answer": "... #### 18"}`` per line.
 
     Args:
         path: the JSONL file.
         limit: keep only the first ``limit`` problems (None: all).
+        offset: skip this many problems first (shards of one file: ``offset=100, limit=100``); every
+            row is still checked.
 
     Returns:
-        ``[{"index", "question", "answer", "gold"}]`` with ``gold`` the normalised number.
+        ``[{"index", "question", "answer", "gold"}]`` with ``gold`` the normalised number and
+        ``index`` the problem's 0-based position in the file (offset included).
 
     Raises:
         DataError: missing file, a line that is not UTF-8 or JSON, missing fields, an answer without
-            ``#### number``, no problems (``file:line[:column]: reason``); ValueError: a bad limit.
+            ``#### number``, no problems (``file:line[:column]: reason``); ValueError: a bad limit or offset.
     """
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"--limit must be an integer ≥ 1, got {limit!r}.")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"--offset must be an integer ≥ 0, got {offset!r}.")
     problems: list[dict] = []
+    seen = 0
     for where, row in read_jsonl_rows(path):
         if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(
                 row.get("answer"), str):
@@ -127,11 +133,14 @@ def load_problems(path: str | Path, limit: int | None = None) -> list[dict]:
             gold = extract_gold(row["answer"])
         except ValueError as e:
             raise DataError(f"{where}: {e}") from None
-        problems.append({"index": len(problems), "question": row["question"], "answer": row["answer"], "gold": gold})
+        seen += 1
+        if seen <= offset:
+            continue
+        problems.append({"index": seen - 1, "question": row["question"], "answer": row["answer"], "gold": gold})
         if limit is not None and len(problems) >= limit:
             break
     if not problems:
-        raise DataError(f"{path} holds no problems.")
+        raise DataError(f"{path} holds no problems" + (f" after the first {offset}." if offset else "."))
     return problems
 
 

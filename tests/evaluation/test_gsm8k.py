@@ -66,6 +66,12 @@ def test_load_problems_and_errors(tmp_path):
     probs = load_problems(p)
     assert [x["gold"] for x in probs] == ["5", "12"] and probs[1]["index"] == 1
     assert len(load_problems(p, limit=1)) == 1
+    shard = load_problems(p, limit=1, offset=1)  # the second problem, with its index in the file
+    assert [(x["index"], x["gold"]) for x in shard] == [(1, "12")]
+    with pytest.raises(ValueError, match="holds no problems after the first 2"):
+        load_problems(p, offset=2)
+    with pytest.raises(ValueError, match="--offset must be an integer ≥ 0"):
+        load_problems(p, offset=-1)
     with pytest.raises(ValueError, match="missing.jsonl: no such data file"):
         load_problems(tmp_path / "missing.jsonl")
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "q", "answer": "no marker"}])
