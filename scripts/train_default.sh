@@ -5,14 +5,18 @@
 #   DATA=openai/gsm8k:main bash scripts/train_default.sh                   # CPU: 150 CPU-minutes of training
 #   DATA=train.jsonl MINUTES=120 BATCH=64 bash scripts/train_default.sh     # CUDA GPU: 120 minutes, bf16
 #   DATA=train.jsonl CONTINUE=0 bash scripts/train_default.sh               # fresh adapter instead
+#   DATA=train.jsonl PROCS=2 LR=5e-4 LR_SCHEDULE=cosine MAX_STEPS=260 CPU_MINUTES=60 bash scripts/train_default.sh
+#                                                # both cores of a CPU: DDP, 2 processes x 1 thread (how v5 ran)
 #   DRY_RUN=1 DATA=train.jsonl bash scripts/train_default.sh                # print the commands only
 #
 # Steps (each resumable: rerun the same command after an interruption):
 #   1. the base model's greedy answers to the DATA questions (python -m model.self_answers; bf16 where
 #      the device runs it natively; ANSWERS=N answers only the first N questions);
 #   2. python -m model.train on them, continuing from assets/smollm2-135m-mtp (CONTINUE=0: fresh), for
-#      MINUTES of wall clock or CPU_MINUTES of training CPU time; mixed precision auto (bf16 on CUDA and
-#      on CPUs with AVX512-BF16/AMX, else float32); resumes from OUT's checkpoint when there is one;
+#      MINUTES of wall clock or CPU_MINUTES of training CPU time (per process); mixed precision auto (bf16
+#      on CUDA and on CPUs with AVX512-BF16/AMX, else float32); resumes from OUT's checkpoint when there
+#      is one; PROCS=N runs N DDP processes through accelerate launch (batch BATCH per process);
+#      LR (1e-3), LR_SCHEDULE (constant or cosine: down to 10% at MAX_STEPS), WARMUP (20), SEED (0);
 #   3. PUBLISH=1 copies OUT/final into assets/smollm2-135m-mtp.
 #
 # OUT holds train_log.jsonl, ONE resumable checkpoint (trainable weights + bf16 AdamW moments, ~40 MB)
@@ -25,7 +29,7 @@ PY=${PY:-.venv/bin/python}
 : "${DATA:?set DATA to a JSONL file of questions or a datasets id, e.g. DATA=openai/gsm8k:main}"
 BASE=${BASE:-smollm2-135m}
 OUT=${OUT:-runs/default}
-if [ -f "$DATA" ]; then STEM=$(basename "$DATA" .jsonl); else STEM=${DATA//[:\/]/_}; fi
+if [ -f "$DATA" ] || [[ "$DATA" == *.jsonl ]]; then STEM=$(basename "$DATA" .jsonl); else STEM=${DATA//[:\/]/_}; fi
 ANSWERS_FILE=${ANSWERS_FILE:-runs/self_answers/${STEM}.jsonl}
 MAX_NEW=${MAX_NEW:-192}
 SEQ_LEN=${SEQ_LEN:-160}
@@ -47,14 +51,24 @@ budget=(); [ -n "${MINUTES:-}" ] && budget+=(--max-minutes "$MINUTES")
 extra=()
 [ "${CONTINUE:-1}" = 1 ] && [ "$BASE" = smollm2-135m ] && extra+=(--init-adapter assets/smollm2-135m-mtp)
 [ -n "${INIT_ADAPTER:-}" ] && extra+=(--init-adapter "$INIT_ADAPTER")
+if [ "${LR_SCHEDULE:-constant}" = cosine ] && [ -z "${MAX_STEPS:-}" ]; then
+  echo "error: LR_SCHEDULE=cosine decays the learning rate to 10% at MAX_STEPS: set MAX_STEPS" >&2; exit 2
+fi
 [ -n "${MAX_STEPS:-}" ] || MAX_STEPS=1000000
 [ -n "${EXPORT_EVERY:-}" ] && extra+=(--export-every "$EXPORT_EVERY")
+PROCS=${PROCS:-1}
+launcher=("$PY" -m model.train)
+if [ "$PROCS" -gt 1 ]; then
+  launcher=("$(dirname "$PY")/accelerate" launch --multi_gpu --num_processes "$PROCS" --num_machines 1
+            --mixed_precision no --dynamo_backend no -m model.train)   # the trainer sets its own precision
+fi
 
 gen=("$PY" -m model.self_answers --base "$BASE" --data "$DATA" --out "$ANSWERS_FILE" --batch-size "$ANSWER_BATCH"
      --max-new-tokens "$MAX_NEW" "${limit[@]}" "${threads[@]}")
-train=("$PY" -m model.train --base "$BASE" --data "$ANSWERS_FILE" --output "$OUT" --adapter alora --lora-rank "$LORA_RANK"
-       --k-max 4 --spacing 4 --lr 1e-3 --warmup 20 --batch-size "$BATCH" --seq-len "$SEQ_LEN" --max-steps "$MAX_STEPS"
-       --save-every "$SAVE_EVERY" --keep-checkpoints 1 --compact-checkpoints --log-every 1 --seed 0
+train=("${launcher[@]}" --base "$BASE" --data "$ANSWERS_FILE" --output "$OUT" --adapter alora --lora-rank "$LORA_RANK"
+       --k-max 4 --spacing 4 --lr "${LR:-1e-3}" --lr-schedule "${LR_SCHEDULE:-constant}" --warmup "${WARMUP:-20}"
+       --batch-size "$BATCH" --seq-len "$SEQ_LEN" --max-steps "$MAX_STEPS"
+       --save-every "$SAVE_EVERY" --keep-checkpoints 1 --compact-checkpoints --log-every 1 --seed "${SEED:-0}"
        --save-dtype bfloat16 --mixed-precision auto "${budget[@]}" "${threads[@]}" "${extra[@]}")
 if [ "${DRY_RUN:-0}" = 1 ]; then
   echo "${gen[*]}"; echo "${train[*]} [--resume auto]"; exit 0

@@ -181,3 +181,10 @@ def test_default_recipe_script_runs_tiny_and_resumes(tmp_path, tiny_model_dir):
                          capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0, dry.stderr
     assert "--init-adapter assets/smollm2-135m-mtp" in dry.stdout and f"--lora-rank {shipped} " in dry.stdout
+    # both cores of a CPU: DDP through accelerate launch, with the schedule of the shipped adapter's last run
+    dry = subprocess.run(["bash", script], env={**env, "DRY_RUN": "1", "PROCS": "2", "LR": "5e-4",
+                                                "LR_SCHEDULE": "cosine", "SEED": "4"},
+                         capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    assert "accelerate launch --multi_gpu --num_processes 2 " in dry.stdout
+    assert "--lr 5e-4 --lr-schedule cosine --warmup 20 " in dry.stdout and "--seed 4 " in dry.stdout
