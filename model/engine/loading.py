@@ -374,6 +374,12 @@ def preflight(src: Source, device: torch.device, dtype: torch.dtype, quantizatio
         CheckpointError: a recurrent / hybrid architecture, or weights larger than the free memory.
     """
     kind, where = _base_location(src)
+    if kind == "gguf":
+        cache = _gguf_cache_dir(Path(where))
+        if cache is not None and (cache / "config.json").is_file():
+            # Its dequantised copy, which is what will load: the safetensors header counts the weights in
+            # milliseconds, where the gguf library parses the whole file (vocabulary included) for them.
+            kind, where = "hf_dir", str(cache)
     if kind in ("hf_dir", "hub"):
         from transformers import AutoConfig
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model.engine.decoding import generate
-from model.engine.loading import DEFAULT_MASK_TOKEN, find_mask_token, load_checkpoint, smollm2_gguf_path
+from model.engine.loading import DEFAULT_MASK_TOKEN, _gguf_cache_dir, find_mask_token, load_checkpoint, smollm2_gguf_path
 from model.engine.strategies import confadapt, standard
 from model.errors import CheckpointError
 
@@ -114,6 +114,25 @@ def test_gguf_file_source_is_the_default_base(smollm2, tmp_path, monkeypatch):
     assert lm.mask_token_id == 49152 == smollm2.mask_token_id
     assert lm.stop_token_ids == (2,)
     assert generate(lm, "What is 2+2?", standard(), 12).token_ids == generate(smollm2, "What is 2+2?", standard(), 12).token_ids
+
+
+@pytest.mark.integration
+def test_memory_check_reads_the_dequantised_copy_not_the_gguf(smollm2, monkeypatch):
+    """Once the GGUF's dequantised copy exists (the smollm2 fixture wrote or found it), the memory check before
+    a load counts the weights from the copy's safetensors header: the gguf library would parse the whole file,
+    vocabulary included, on every load (~5 s on 2 cores)."""
+    import model.engine.guards as guards
+    from model.engine.loading import preflight, resolve_source
+
+    def parsed(path):
+        raise AssertionError(f"the GGUF file was parsed: {path}")
+
+    monkeypatch.setattr(guards, "_gguf_params", parsed)
+    preflight(resolve_source("smollm2-135m"), torch.device("cpu"), torch.float32, None)
+    n = sum(p.numel() for p in smollm2.model.parameters())
+    cache = _gguf_cache_dir(smollm2_gguf_path())
+    need = guards.weights_bytes("hf_dir", str(cache), torch.float32, None)
+    assert abs(need - 4 * n) <= 4 * smollm2.model.config.hidden_size  # the mask row aside: the same weights
 
 
 @pytest.mark.integration
