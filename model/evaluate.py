@@ -67,7 +67,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if len(args.rescore) > 1 and args.out == OUT_DEFAULT:
                 raise ValueError("several reports merge into one: name it with --out ALL.json")
-            reports = [json.loads(Path(f).read_text()) for f in args.rescore]
+            reports = []
+            for f in args.rescore:
+                try:
+                    reports.append(json.loads(Path(f).read_text()))
+                except OSError as e:
+                    raise ValueError(f"{f}: {e.strerror or e}") from e
+                except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+                    where = f"{f}:{e.lineno}:{e.colno}" if hasattr(e, "lineno") else f
+                    raise ValueError(f"{where}: not a report written by model.evaluate --out (not valid JSON)") from e
             report = rescore(reports[0]) if len(reports) == 1 else merge_reports(reports)
         except (OSError, ValueError, KeyError) as e:
             print(f"error: cannot rescore {names}: {e}", file=sys.stderr)

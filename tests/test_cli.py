@@ -210,7 +210,11 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     assert evaluate_cli.main(["--strategies", "standard"]) == 2
     assert "--data is required" in capsys.readouterr().err
     assert evaluate_cli.main(["--rescore", str(d)]) == 2  # a JSONL file is not a report
-    assert capsys.readouterr().err.startswith("error: cannot rescore")
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot rescore") and f"{d}:" in err and "not a report" in err
+    assert evaluate_cli.main(["--rescore", str(tmp_path / "gone.json")]) == 2
+    err = capsys.readouterr().err
+    assert "gone.json: No such file or directory" in err and err.count("\n") == 1
 
 
 def test_cli_rescore_writes_the_sweep_of_a_stopped_run(tiny_lm, tmp_path, capsys):
