@@ -22,8 +22,9 @@ import torch
 
 from .engine.loading import DEFAULT_SOURCE, load_checkpoint, trained_k_max
 from .engine.strategies import DEFAULT_K_MAX, SPEC_HELP, check_max_new_tokens, parse_strategies
-from .errors import NonFiniteLogitsError
-from .evaluation.accuracy import DEFAULT_STRATEGIES, evaluate, format_table, merge_reports, rescore, write_figure
+from .errors import DataError, NonFiniteLogitsError
+from .evaluation.accuracy import (DEFAULT_STRATEGIES, evaluate, format_table, merge_reports, read_report, rescore,
+                                  write_figure)
 from .evaluation.gsm8k import STEP_BY_STEP, load_problems
 from .evaluation.sweep import from_report, write_sweep
 
@@ -67,16 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if len(args.rescore) > 1 and args.out == OUT_DEFAULT:
                 raise ValueError("several reports merge into one: name it with --out ALL.json")
-            reports = []
-            for f in args.rescore:
-                try:
-                    reports.append(json.loads(Path(f).read_text()))
-                except OSError as e:
-                    raise ValueError(f"{f}: {e.strerror or e}") from e
-                except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-                    where = f"{f}:{e.lineno}:{e.colno}" if hasattr(e, "lineno") else f
-                    raise ValueError(f"{where}: not a report written by model.evaluate --out (not valid JSON)") from e
+            reports = [read_report(f) for f in args.rescore]
             report = rescore(reports[0]) if len(reports) == 1 else merge_reports(reports)
+        except DataError as e:  # names its file
+            print(f"error: cannot rescore {e}", file=sys.stderr)
+            return 2
         except (OSError, ValueError, KeyError) as e:
             print(f"error: cannot rescore {names}: {e}", file=sys.stderr)
             return 2

@@ -198,7 +198,7 @@ def _load_hf(
     # Processes starting together (DDP ranks, test workers) parse a GGUF file once: the first writes the
     # dequantised copy under the lock, the others wait and load the copy.
     with _gguf_cache_lock(cache if bnb is None else None):
-        if cache is not None and (cache / "config.json").is_file():
+        if _holds_copy(cache):
             # A GGUF file dequantised earlier: loading safetensors takes ~1 s instead of ~30 s of GGUF parsing.
             where, gguf_file = str(cache), None
             kwargs.pop("gguf_file", None)
@@ -225,7 +225,7 @@ def _gguf_cache_lock(cache: Path | None) -> Any:
 
     from filelock import FileLock
 
-    if cache is None or (cache / "config.json").is_file():
+    if cache is None or _holds_copy(cache):
         return contextlib.nullcontext()
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -252,6 +252,12 @@ def _gguf_cache_dir(gguf: Path) -> Path | None:
         f.seek(max(0, size - (1 << 20)))
         h.update(f.read(1 << 20))
     return root / f"{gguf.stem}-{size}-{h.hexdigest()[:12]}"
+
+
+def _holds_copy(cache: Path | None) -> bool:
+    """Whether a GGUF cache directory holds a complete dequantised copy (it is renamed into place whole,
+    config.json included, by :func:`_write_gguf_cache`)."""
+    return cache is not None and (cache / "config.json").is_file()
 
 
 def _write_gguf_cache(model: Any, tokenizer: Any, cache: Path) -> bool:
@@ -282,7 +288,7 @@ def _write_gguf_cache(model: Any, tokenizer: Any, cache: Path) -> bool:
         log.info("Not caching the dequantised GGUF in %s: %s", cache, e)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-        return (cache / "config.json").is_file()
+        return _holds_copy(cache)
 
 
 @dataclass(frozen=True)
@@ -376,7 +382,7 @@ def preflight(src: Source, device: torch.device, dtype: torch.dtype, quantizatio
     kind, where = _base_location(src)
     if kind == "gguf":
         cache = _gguf_cache_dir(Path(where))
-        if cache is not None and (cache / "config.json").is_file():
+        if _holds_copy(cache):
             # Its dequantised copy, which is what will load: the safetensors header counts the weights in
             # milliseconds, where the gguf library parses the whole file (vocabulary included) for them.
             kind, where = "hf_dir", str(cache)

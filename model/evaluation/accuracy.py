@@ -22,6 +22,7 @@ Strategies run one after another on each problem, so they share the machine's st
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
@@ -38,6 +39,7 @@ from ..engine.decoding import GenerationResult, run
 from ..engine.loaded_model import LoadedModel
 from ..engine.scoring import teacher_nll
 from ..engine.strategies import Strategy, check_max_new_tokens, resolve_strategy, standard
+from ..errors import DataError
 from .gsm8k import extract_answer, is_correct, make_prompt
 
 DEFAULT_STRATEGIES = (
@@ -212,6 +214,23 @@ def _record(lm: LoadedModel, prompt_ids: list[int], res: GenerationResult, gold:
         "same_answer_as_standard": extracted == std_answer,
         "same_as_base": res.text == base_text,
     }
+
+
+def read_report(path: str | Path) -> dict:
+    """A report as :func:`evaluate` returns it and ``model.evaluate --out`` writes it (JSON).
+
+    Raises:
+        DataError: a file that cannot be read, or is not JSON (naming ``path:line:column``).
+    """
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as e:
+        raise DataError(f"{path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}:{e.colno}: not a report written by model.evaluate --out "
+                        f"(not valid JSON: {e.msg}).") from None
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: not a report written by model.evaluate --out (not UTF-8 text).") from None
 
 
 def rescore(report: dict) -> dict:
