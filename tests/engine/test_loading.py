@@ -103,9 +103,23 @@ def test_first_gguf_loads_of_several_processes_take_turns(tmp_path):
 @pytest.mark.integration
 def test_gguf_file_source_is_the_default_base(smollm2, tmp_path, monkeypatch):
     """A first load (empty cache: the GGUF is parsed and its dequantised copy written) gives the same
-    model and forward path as every later load from the copy: plain weights, the fast path."""
+    model and forward path as every later load from the copy: plain weights, the fast path. The file is
+    parsed once (transformers reads it for the config, the tokenizer and the weights, the memory check for
+    its size: ~8 s a parse on 2 cores)."""
+    import gguf
+
+    parsed = []
+    reader = gguf.GGUFReader
+
+    def counted(path, *args, **kwargs):
+        parsed.append(str(path))
+        return reader(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
     monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path / "cache"))
     lm = load_checkpoint(str(smollm2_gguf_path()), device="cpu")
+    assert parsed == [str(smollm2_gguf_path())]
+    assert gguf.GGUFReader is counted  # the library is left as it was
     assert len([d for d in (tmp_path / "cache").iterdir() if d.is_dir()]) == 1  # one copy (and its lock file)
     assert lm.forward_path.startswith("fast path"), lm.forward_path
     assert not getattr(lm.model, "is_quantized", False)
