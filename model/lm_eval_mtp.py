@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv = ["lm-eval"] + (list(argv) if argv is not None else sys.argv[1:])
+    first = len(INSTANCES)  # the models this run makes (a caller in the same process may have made others)
     try:
         cli_evaluate()
     except SystemExit as e:
@@ -32,11 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError) as e:  # bad --model_args (CheckpointError is a ValueError), unknown task
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for inst in INSTANCES:
+    for inst in INSTANCES[first:]:
         s = inst.stats
         print(f"mtp {s['strategy']}: {s['requests']} requests, {s['new_tokens']} tokens in {s['forward_passes']} "
               f"forward passes, effective k {s['effective_k']:.3f}, {s['tokens_per_second']:.1f} tokens/s",
               file=sys.stderr)
+    del INSTANCES[first:]  # their models are not kept alive after the run
     return 0
 
 

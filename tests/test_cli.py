@@ -33,19 +33,15 @@ from tests.conftest import (
 
 
 # ----------------------------------------------------- python -m model.generate
-def run_generate(*args: str) -> subprocess.CompletedProcess:
-    """``python -m model.generate ARGS`` in this environment."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "model.generate", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.integration
-def test_cli_json(smollm2):
-    out = run_generate("--prompt", "What is 2+2?", "--strategy", "confadapt", "--tau", "0.9", "--k-max", "16",
-                       "--max-new-tokens", "16", "--json", "--no-adapter")
-    assert out.returncode == 0, out.stderr
-    obj = json.loads(out.stdout)
+def test_cli_json(smollm2, capsys):
+    """``--json`` on the real model, in-process (the same entry point as ``python -m model.generate``, which
+    the tiny-model tests below run as a process)."""
+    from model.generate import main
+
+    assert main(["--prompt", "What is 2+2?", "--strategy", "confadapt", "--tau", "0.9", "--k-max", "16",
+                 "--max-new-tokens", "16", "--json", "--no-adapter"]) == 0
+    obj = json.loads(capsys.readouterr().out)
     assert set(obj) >= {"text", "new_tokens", "forward_passes", "effective_k", "seconds", "passes"}
     assert obj["new_tokens"] == sum(len(p["kept"]) for p in obj["passes"]) <= 16
     assert obj["forward_passes"] == len(obj["passes"])
@@ -338,20 +334,25 @@ def test_bench_cli_on_smollm2(tmp_path, capsys):
 # -------------------------------------------------- python -m model.lm_eval_mtp
 @pytest.mark.integration
 @pytest.mark.slow
-def test_cli_lm_eval_mtp_on_local_task_default_model(tmp_path, smollm2):
+def test_cli_lm_eval_mtp_on_local_task_default_model(tmp_path, smollm2, capsys):
     """``python -m model.lm_eval_mtp --model mtp ...`` with the real SmolLM2 on tests/data/gsm8k_mini."""
+    from model.lm_eval_mtp import main
+
     stats = tmp_path / "stats.json"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "model.lm_eval_mtp", "--model", "mtp",
+    args = ["--model", "mtp",
            # dtype float32 explicitly: the check below decodes with the float32 smollm2 fixture
            "--model_args", f"pretrained=smollm2-135m,tau=0.9,k_max=16,max_gen_toks=24,dtype=float32,"
                            f"stats_file={stats}",
            "--tasks", "gsm8k_mini", "--include_path", str(TASK_DIR), "--limit", "3",
            "--output_path", str(tmp_path / "out"), "--log_samples"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "gsm8k_mini" in proc.stdout and "exact_match" in proc.stdout
-    assert "effective k" in proc.stderr
+    argv = sys.argv
+    try:  # in-process: the same entry point as `python -m model.lm_eval_mtp` (lm-eval's CLI reads sys.argv)
+        assert main(args) == 0
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr()
+    assert "gsm8k_mini" in out.out and "exact_match" in out.out
+    assert "mtp confadapt:0.9:16: 3 requests" in out.err and "effective k" in out.err
     s = json.loads(stats.read_text())
     assert s["requests"] == 3 and s["strategy"] == "confadapt:0.9:16" and s["effective_k"] >= 1.0
     [results_file] = list((tmp_path / "out").rglob("results_*.json"))
