@@ -641,13 +641,20 @@ class Quality:
 def score_answers(turn: "Turn", std: GenerationResult, mtp: GenerationResult,
                   lock: threading.Lock = FORWARD_LOCK) -> Quality:
     """One scoring pass per answer (:func:`model.engine.scoring.teacher_nll`, adapter off) under ``lock``;
-    a failure leaves that NLL None (logged), never an error in the page."""
+    a failure leaves that NLL None (logged), never an error in the page. Where the standard side ran the
+    teacher's weights on every token (no adapter, or aLoRA), its KV cache holds the teacher's prompt: each
+    pass then feeds the answer only, not the whole conversation again."""
+    prompt_cache = None
+    if turn.lm.adapter in (None, "alora"):
+        std_side = turn.sides["standard"]
+        prompt_cache = (std_side.cache, std_side.cached_ids)
+
     def nll(res: GenerationResult) -> float | None:
         if not res.token_ids:
             return None
         try:
             with lock:
-                total, n = teacher_nll(turn.lm, turn.prompt_ids, res.token_ids)
+                total, n = teacher_nll(turn.lm, turn.prompt_ids, res.token_ids, context_cache=prompt_cache)
         except Exception:  # noqa: BLE001 - quality is extra: the turn still ends cleanly
             log.exception("scoring an answer failed")
             return None
