@@ -15,7 +15,7 @@ import torch
 from .loaded_model import LoadedModel
 
 
-def _prefix_cache(lm: LoadedModel, cache: Any, n: int) -> Any:
+def _prefix_cache(cache: Any, n: int) -> Any:
     """A new KV cache holding the first ``n`` entries of ``cache`` (which is left as it was)."""
     from .kv_cache import KVCache
 
@@ -67,7 +67,7 @@ def teacher_logprob(lm: LoadedModel, context_ids: Sequence[int], continuation_id
     ids = torch.tensor([context[reuse:] + list(continuation_ids)], dtype=torch.long, device=lm.device)
     with lm.base_model() as model:
         if reuse:
-            logits = lm.forward(ids, _prefix_cache(lm, context_cache[0], reuse), num_masks=0,
+            logits = lm.forward(ids, _prefix_cache(context_cache[0], reuse), num_masks=0,
                                 logits_to_keep=n + 1)[0, :-1].float()
         else:
             logits = model(input_ids=ids, use_cache=False, logits_to_keep=n + 1).logits[0, :-1].float()
