@@ -644,10 +644,8 @@ def score_answers(turn: "Turn", std: GenerationResult, mtp: GenerationResult,
     a failure leaves that NLL None (logged), never an error in the page. Where the standard side ran the
     teacher's weights on every token (no adapter, or aLoRA), its KV cache holds the teacher's prompt: each
     pass then feeds the answer only, not the whole conversation again."""
-    prompt_cache = None
-    if turn.lm.adapter in (None, "alora"):
-        std_side = turn.sides["standard"]
-        prompt_cache = (std_side.cache, std_side.cached_ids)
+    std_side = turn.sides["standard"]
+    prompt_cache = (std_side.cache, std_side.cached_ids) if turn.lm.real_tokens_run_base else None
 
     def nll(res: GenerationResult) -> float | None:
         if not res.token_ids:

@@ -23,24 +23,27 @@ def main(argv: list[str] | None = None) -> int:
     """
     from lm_eval.__main__ import cli_evaluate
 
+    caller_argv = sys.argv  # lm-eval's CLI reads sys.argv; the caller's is put back after the run
     sys.argv = ["lm-eval"] + (list(argv) if argv is not None else sys.argv[1:])
     first = len(INSTANCES)  # the models this run makes (a caller in the same process may have made others)
     try:
-        cli_evaluate()
-    except SystemExit as e:
-        if e.code not in (0, None):
-            return int(e.code) if isinstance(e.code, int) else 2
-    except (ValueError, KeyError) as e:  # bad --model_args (CheckpointError is a ValueError), unknown task
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for inst in INSTANCES[first:]:
-        s = inst.stats
-        print(f"mtp {s['strategy']}: {s['requests']} requests, {s['new_tokens']} tokens in {s['forward_passes']} "
-              f"forward passes, effective k {s['effective_k']:.3f}, {s['tokens_per_second']:.1f} tokens/s",
-              file=sys.stderr)
-    del INSTANCES[first:]  # their models are not kept alive after the run
-    return 0
-
+        try:
+            cli_evaluate()
+        except SystemExit as e:
+            if e.code not in (0, None):
+                return int(e.code) if isinstance(e.code, int) else 2
+        except (ValueError, KeyError) as e:  # bad --model_args (CheckpointError is a ValueError), unknown task
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        for inst in INSTANCES[first:]:
+            s = inst.stats
+            print(f"mtp {s['strategy']}: {s['requests']} requests, {s['new_tokens']} tokens in "
+                  f"{s['forward_passes']} forward passes, effective k {s['effective_k']:.3f}, "
+                  f"{s['tokens_per_second']:.1f} tokens/s", file=sys.stderr)
+        return 0
+    finally:
+        sys.argv = caller_argv
+        del INSTANCES[first:]  # their models are not kept alive after the run
 
 if __name__ == "__main__":
     sys.exit(main())

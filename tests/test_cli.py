@@ -349,11 +349,9 @@ def test_cli_lm_eval_mtp_on_local_task_default_model(tmp_path, smollm2, capsys):
                            f"stats_file={stats}",
            "--tasks", "gsm8k_mini", "--include_path", str(TASK_DIR), "--limit", "3",
            "--output_path", str(tmp_path / "out"), "--log_samples"]
-    argv = sys.argv
-    try:  # in-process: the same entry point as `python -m model.lm_eval_mtp` (lm-eval's CLI reads sys.argv)
-        assert main(args) == 0
-    finally:
-        sys.argv = argv
+    argv = list(sys.argv)
+    assert main(args) == 0  # in-process: the same entry point as `python -m model.lm_eval_mtp`
+    assert sys.argv == argv  # lm-eval's CLI read its own; the caller's is back
     out = capsys.readouterr()
     assert "gsm8k_mini" in out.out and "exact_match" in out.out
     assert "mtp confadapt:0.9:16: 3 requests" in out.err and "effective k" in out.err

@@ -73,6 +73,18 @@ class KVCache:
                 t[:, :, : self.length].copy_(old[:, :, : self.length])
                 lst[i] = t
 
+    def copy_prefix(self, n: int) -> "KVCache":
+        """A new cache of the same model holding copies of the first ``n`` entries (this one is left as it is)."""
+        n = min(n, self.length)
+        new = KVCache(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.device, max(n, 1),
+                      self.max_capacity)
+        new.engine = self.engine
+        for dst, src in ((new.k, self.k), (new.v, self.v)):
+            for d, s in zip(dst, src):
+                d[:, :, :n].copy_(s[:, :, :n])
+        new.length = n
+        return new
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Number of cached positions."""
         return self.length

@@ -162,6 +162,13 @@ class LoadedModel:
         return dt if isinstance(dt, torch.dtype) else next(self.model.parameters()).dtype
 
     @property
+    def real_tokens_run_base(self) -> bool:
+        """Whether real (non-mask) tokens always run the base weights (no adapter, or aLoRA, whose adapter acts
+        on the mask rows only): then standard decoding is the teacher's greedy decoding and its KV cache the
+        teacher's (:func:`model.engine.scoring.teacher_logprob` may reuse it). False for LoRA (every row)."""
+        return self.adapter != "lora"
+
+    @property
     def dtype_name(self) -> str:
         """``"bfloat16"``, ``"float32"``, ... (for headers and reports)."""
         return str(self.dtype).replace("torch.", "")

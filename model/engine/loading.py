@@ -522,7 +522,6 @@ def _gguf_parsed_once() -> Any:
         finally:
             gguf.GGUFReader, gguf.get_tensor_name_map = reader_of, name_map
             del gguf._mtp_parsed_once
-            readers.clear()
 
 
 def wrap_model(

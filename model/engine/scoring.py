@@ -20,12 +20,7 @@ def _prefix_cache(cache: Any, n: int) -> Any:
     from .kv_cache import KVCache
 
     if isinstance(cache, KVCache):
-        new = cache.engine.new_cache(max(n, 1))
-        for dst, src in ((new.k, cache.k), (new.v, cache.v)):
-            for d, s in zip(dst, src):
-                d[:, :, :n].copy_(s[:, :, :n])
-        new.length = n
-        return new
+        return cache.copy_prefix(n)
     new = copy.deepcopy(cache)  # a transformers Cache (the library path): crop takes what to drop
     if new.get_seq_length() > n:
         new.crop(n - new.get_seq_length())
@@ -45,8 +40,8 @@ def teacher_logprob(lm: LoadedModel, context_ids: Sequence[int], continuation_id
 
     Args:
         context_cache: ``(cache, cached_ids)``: a KV cache of the *teacher* over ``cached_ids`` (e.g. the
-            standard side's :attr:`~model.engine.decoding.Decoder.cache` where real tokens run the base
-            weights: no adapter, or aLoRA). Its entries for the longest common prefix of ``cached_ids`` and
+            standard side's :attr:`~model.engine.decoding.Decoder.cache` where
+            :attr:`LoadedModel.real_tokens_run_base`). Its entries for the longest common prefix of ``cached_ids`` and
             the context, up to ``C - 1`` tokens, are copied, so the pass feeds only the rest (an answer's
             scoring pass costs ``A + 1`` tokens, not a prefill of the whole conversation). The given cache is
             left as it was. The same values as without it, within the float rounding of a cached pass.
