@@ -20,7 +20,7 @@ from model.engine.decoding import GenerationResult, PassRecord
 from model.engine.strategies import Strategy
 
 from .device import LosslessShape, WidthProfile
-from .runner import SideTiming, SpeedEstimate, TurnState, side_timing
+from .runner import MIN_PAIRS_FOR_INTERVAL, SideTiming, SpeedEstimate, TurnState, side_timing
 
 # ---------------------------------------------------------------------------- text
 #: A fence line (```lang), with the line break before it and its own: those belong to the fence, so
@@ -104,7 +104,8 @@ COUNTER_HELP = {
     "passes": "forward passes of the model (the first one reads the whole prompt)",
     "eff. k": "effective k: tokens per forward pass (vLLM and llama.cpp call it the mean acceptance length)",
     "prefill ms": "the first forward pass: the prompt (plus masks on the MTP side)",
-    "ms/pass": ("this side's typical later pass: for standard decoding the median pass, for MTP that median × the "
+    "ms/pass": ("this side's typical later pass: for standard decoding the median of all its passes, for MTP that "
+                "median × the "
                 "median ratio of paired passes (How speed is measured)"),
     "time s": "prefill + (passes − 1) × ms/pass: this side's time by the page's one timing method",
     "tok/s": "tokens ÷ time s; the headline is the MTP side's tok/s ÷ the standard side's",
@@ -183,10 +184,10 @@ def counters_caption() -> str:
 TIMING_HELP = (
     "Every forward pass is timed alone: passes of all sessions run one at a time, device synchronised, and the "
     "two sides alternate pass by pass (ABBA), so neither always runs first. A side's <b>time</b> is its first "
-    "pass (the prompt) plus its other passes at its typical pass: the median standard pass, and for MTP that "
-    "median × the median ratio of paired passes (pass i of each side ran back to back, so load hits both "
+    "pass (the prompt) plus its other passes at its typical pass: the median of all the standard side's passes, "
+    "and for MTP that median × the median ratio of paired passes (pass i of each side ran back to back, so load hits both "
     "alike). <b>tok/s</b> = tokens ÷ time, and the <b>headline</b> is the MTP side's tok/s ÷ the standard side's, "
-    "with a 90% interval from resampling the pairs. The counters' prefill ms, ms/pass, time s and tok/s are "
+    "with a 90% interval from resampling the passes (none from fewer than 5 pairs). The counters' prefill ms, ms/pass, time s and tok/s are "
     "these figures. Different measures, labelled as such: <b>measured s</b>, the <b>race chart</b> and the "
     "headline's \u201cmeasured sums\u201d are the plain sums of each side's own pass times (a load spike on one "
     "side shows there, not in the headline); the per-pass table lists each pass's own time; the status line's "
@@ -232,7 +233,7 @@ def headline(state: TurnState) -> tuple[str, bool]:
     label, sp = state.strategy.label, state.speed
     if sp is None:
         return f"{label} vs standard decoding: waiting for both sides’ first tokens…", False
-    speed = times_text(sp.ratio)
+    speed = times_text(sp.ratio) + _against_the_sums(sp)
     q, parted, warn = state.quality, state.parted_at, False
     if state.identical and state.final:
         cost = "identical answer" + (" (lossless)" if state.strategy.verifies else "")
@@ -253,11 +254,40 @@ def headline(state: TurnState) -> tuple[str, bool]:
                 f"{q.standard_nll:.2f})")
     if q is not None and q.mtp_repeats:
         warn = True
-        cost += (", and both answers degenerate into repetition" if q.standard_repeats
-                 else ", but its answer degenerates into repetition")
+        if q.standard_repeats:
+            cost += ", and both answers degenerate into repetition"
+        else:  # one "but" per sentence
+            cost += ", and it degenerates into repetition" if cost.startswith("but ") else \
+                ", but its answer degenerates into repetition"
     elif q is not None and q.standard_repeats:
         cost += ", though standard decoding's answer degenerates into repetition"
     return f"{label}: {speed}, {cost}.", warn
+
+
+def direction(ratio: float) -> int:
+    """1 faster, -1 slower, 0 the same speed (as :func:`times_text` words it, to two decimals)."""
+    if not math.isfinite(ratio) or ratio <= 0 or round(ratio, 2) == 1.0:
+        return 0
+    return 1 if ratio > 1 else -1
+
+
+def pairs_text(n: int) -> str:
+    """``1 pair of passes`` / ``3 pairs of passes``."""
+    return f"{n} pair{'' if n == 1 else 's'} of passes"
+
+
+def _against_the_sums(sp: SpeedEstimate) -> str:
+    """Where the headline's ratio and the measured sums point different ways (one faster, the other slower), a
+    parenthesis that says so and why; else nothing."""
+    if direction(sp.ratio) * direction(sp.raw_ratio) >= 0:
+        return ""
+    if sp.low is None or sp.high is None:
+        why = f"{pairs_text(sp.pairs)} {'is' if sp.pairs == 1 else 'are'} too few to tell"
+    elif sp.low <= 1.0 <= sp.high:
+        why = "its 90% interval includes equal speed"
+    else:
+        why = "load on one side skews the sums; the typical pass discounts it"
+    return f" (the measured sums read {times_text(sp.raw_ratio)}: {why})"
 
 
 def speed_html(state: TurnState | None) -> str:
@@ -277,7 +307,7 @@ def speed_html(state: TurnState | None) -> str:
         if sp.low <= 1.0 <= sp.high and round(sp.ratio, 2) != 1.0:
             bits.append("the interval includes equal speed: no clear difference")
     else:
-        bits.append("too few passes for an interval")
+        bits.append(f"no interval from {pairs_text(sp.pairs)} (it needs {MIN_PAIRS_FOR_INTERVAL})")
     k = state.mtp.effective_k
     if sp.pass_cost is not None:
         bits.append(f"effective k {k:.2f} tokens per pass, and one MTP pass costs {sp.pass_cost:.2f}× a standard "
@@ -299,10 +329,11 @@ def speed_html(state: TurnState | None) -> str:
     if q is not None and (q.standard_nll is not None or q.mtp_nll is not None):
         bits.append(f"negative log-likelihood per token under the model (adapter off; one scoring pass per answer, "
                     f"not timed): standard {_num(q.standard_nll, '.2f')}, MTP {_num(q.mtp_nll, '.2f')}")
-    cls = "mtp-speed mtp-warn" if warn else "mtp-speed"
+    pace = {1: "faster", -1: "slower", 0: "same"}[direction(sp.ratio)]
+    cls = "mtp-speed mtp-warn" if warn else f"mtp-speed mtp-{pace}"  # a slowdown never looks like a success
     mark = '<span class="mtp-warn-mark" aria-hidden="true">⚠️ </span>' if warn else ""
     role = ' role="alert"' if warn and state.final else ""
-    return (f'<div class="{cls}" data-ratio="{sp.ratio:.4f}" data-warn="{int(warn)}"{role}>'
+    return (f'<div class="{cls}" data-ratio="{sp.ratio:.4f}" data-warn="{int(warn)}" data-pace="{pace}"{role}>'
             f'<div class="mtp-headline">{mark}<b>{esc(sentence)}</b></div>'
             f'<div class="mtp-speed-details">{"; ".join(esc(b) for b in bits)}.</div></div>')
 

@@ -507,14 +507,16 @@ class SpeedEstimate:
     """The MTP side's speed relative to standard decoding, robust to load: the page's one timing method.
 
     Every pass is timed alone (device synchronised, no pass of any other session beside it). A side's time
-    is its prefill plus its other passes at its typical pass: the median standard decode pass, and for MTP
-    that median times the median ratio of paired passes (pass i of each side ran back to back, so load
-    hits both alike; before any pair, the median of its own passes). ``ratio`` = (MTP tokens / MTP time) ÷
-    (standard tokens / standard time); with answers of equal length this is the wall-clock speedup.
+    is its prefill plus its other passes at its typical pass: the median of all the standard side's own decode
+    passes (also those it ran after the MTP side had ended), and for MTP that median times the median ratio of
+    paired passes (pass i of each side ran back to back, so load hits both alike; before any pair, the median
+    of its own passes). ``ratio`` = (MTP tokens / MTP time) ÷ (standard tokens / standard time); with answers
+    of equal length this is the wall-clock speedup.
 
     Attributes:
         ratio: > 1 faster, < 1 slower.
-        low, high: 90% interval from resampling the paired decode passes (None: too few pairs).
+        low, high: 90% interval from resampling the standard side's decode passes and the paired decode passes
+            (None: fewer than :data:`MIN_PAIRS_FOR_INTERVAL` pairs).
         pairs: paired decode passes used.
         pass_cost: median MTP decode pass time ÷ median standard decode pass time (None: no pairs).
         raw_ratio: the same ratio from the plain sums of the passes' seconds (a different measure).
@@ -542,7 +544,7 @@ def _timings(std: Sequence[PassRecord], mtp: Sequence[PassRecord], pairs: Sequen
              ) -> tuple[SideTiming, SideTiming, float | None]:
     """Both sides' timings from the given pairs, and the MTP/standard pass cost (None: no pairs)."""
     if pairs:
-        d_std = statistics.median(s for s, _ in pairs)
+        d_std = statistics.median(r.seconds for r in std[1:])  # all of its own passes, not the paired ones only
         cost = statistics.median(m / s for s, m in pairs)
         return side_timing(std, d_std), side_timing(mtp, d_std * cost), cost  # type: ignore[return-value]
     return side_timing(std), side_timing(mtp), None  # type: ignore[return-value]
@@ -577,10 +579,11 @@ def estimate_speedup(std: Sequence[PassRecord], mtp: Sequence[PassRecord], *, re
     if len(pairs) >= MIN_PAIRS_FOR_INTERVAL:  # the same method on resampled pairs (only the medians change)
         rng = random.Random(seed)
         later_std, later_mtp = len(std) - 1, len(mtp) - 1
+        own = [r.seconds for r in std[1:]]
 
         def resampled() -> float:
             pick = [pairs[rng.randrange(len(pairs))] for _ in pairs]
-            d_std = statistics.median(s for s, _ in pick)
+            d_std = statistics.median(own[rng.randrange(len(own))] for _ in own)
             d_mtp = d_std * statistics.median(m / s for s, m in pick)
             return (n_mtp / (t_mtp.prefill + later_mtp * d_mtp)) / (n_std / (t_std.prefill + later_std * d_std))
 

@@ -111,14 +111,17 @@ CSS = """
 .mtp-counters {font-size: .9em; padding: 4px 2px}
 .mtp-counter-row {display: flex; flex-wrap: wrap; gap: 4px 14px; margin-top: 2px}
 .mtp-counter {display: flex; flex-direction: column; white-space: nowrap; cursor: help}
-.mtp-counter-name {font-size: .78em; color: var(--body-text-color-subdued)}
+.mtp-counter-name {font-size: .78em; color: #4b5563}
+.dark .mtp-counter-name, .dark .mtp-speed-details {color: #d1d5db}
 .mtp-counter-value {font-weight: 600; font-variant-numeric: tabular-nums}
 .mtp-caption {font-size: .85em}
 .mtp-caption p {margin: .3em 0}
-.mtp-speed {padding: 6px 10px; border-left: 4px solid #2e7d32; background: var(--background-fill-secondary)}
+.mtp-speed {padding: 6px 10px; border-left: 4px solid #757575; background: var(--background-fill-secondary)}
+.mtp-speed.mtp-faster {border-left-color: #2e7d32}
+.mtp-speed.mtp-slower {border-left-color: #c62828}
 .mtp-speed.mtp-warn {border-left-color: #e65100; background: #fff3e0; color: #3e2100}
 .mtp-headline {font-size: 1.05em}
-.mtp-speed-details {font-size: .82em; margin-top: 3px; color: var(--body-text-color-subdued)}
+.mtp-speed-details {font-size: .82em; margin-top: 3px; color: #4b5563}
 .mtp-warn .mtp-speed-details {color: #5d3a1a}
 .mtp-shape {margin-top: 3px; font-size: .95em}
 .mtp-device-note {padding: 6px 10px; border-radius: 6px; background: #e8f0fe; color: #0d2a59; font-size: .9em}

@@ -245,3 +245,45 @@ def test_the_device_note_and_the_shape_line_say_what_width_costs_here():
     assert render.shape_text(shape, cpu, "full tree", 4).startswith("Shape: full tree at k_max 4, as chosen")
     assert "Shape:" in render.strategy_help_html("lossless", line) and "Shape:" not in render.strategy_help_html(
         "ConfAdapt", line)
+
+
+def test_a_slowdown_is_styled_as_one_and_a_headline_has_one_but():
+    """"1.33× slower" never wears the success colour; a parted, less likely answer that also repeats reads
+    "but … , and it degenerates …", never "but … , but …"."""
+    from app import ui
+    from app.runner import Quality
+    from model.engine.strategies import static_k
+
+    same = list(range(20))
+    slow = _state(same, same, static_k(1), Quality(0.4, 0.4), std_ms=50, mtp_ms=66, per_pass=1)
+    fast = _state(same, same, static_k(3), Quality(0.4, 0.4), std_ms=50, mtp_ms=55, per_pass=3)
+    assert "1.32× slower" in render.headline(slow)[0]
+    assert 'class="mtp-speed mtp-slower"' in render.speed_html(slow) and 'data-pace="slower"' in render.speed_html(slow)
+    assert 'class="mtp-speed mtp-faster"' in render.speed_html(fast)
+    rules = dict(re.findall(r"^(\.mtp-speed[^{]*?)\s*\{([^}]*)\}", ui.CSS, re.M))
+    green = re.search(r"border-left-color: (#[0-9a-f]{6})", rules[".mtp-speed.mtp-faster"]).group(1)
+    assert green not in rules[".mtp-speed.mtp-slower"] and green not in rules[".mtp-speed"]
+    parted = same[:11] + [99] * 9
+    line, warn = render.headline(_state(same, parted, static_k(3), Quality(0.41, 1.26, False, True), per_pass=3))
+    assert warn and line.count("but") == 1 and line.endswith(
+        "but the answer parts at token 12 and is 0.85 nats/token less likely under the model (1.26 vs 0.41), and it "
+        "degenerates into repetition.")
+
+
+def _contrast(a: str, b: str) -> float:
+    hi, lo = sorted((_luminance(a), _luminance(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def test_the_headline_details_and_counter_labels_meet_wcag_aa():
+    """Small grey text on the page's light backgrounds (white, Gradio's secondary fill #f9fafb, the warning's
+    #fff3e0) has a contrast of at least 4.5:1 (WCAG AA), not Gradio's subdued grey (~2.5:1)."""
+    from app import ui
+
+    for selector in (".mtp-speed-details", ".mtp-counter-name"):
+        body = re.search(r"^" + re.escape(selector) + r" \{([^}]*)\}", ui.CSS, re.M).group(1)
+        colour = re.search(r"(?<![-\w])color: (#[0-9a-f]{6})", body).group(1)
+        for background in ("#ffffff", "#f9fafb", "#fff3e0"):
+            assert _contrast(colour, background) >= 4.5, (selector, colour, background)
+    warn = re.search(r"^\.mtp-warn \.mtp-speed-details \{color: (#[0-9a-f]{6})\}", ui.CSS, re.M).group(1)
+    assert _contrast(warn, "#fff3e0") >= 4.5

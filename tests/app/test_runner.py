@@ -539,3 +539,57 @@ def test_nothing_touches_cuda_when_the_app_is_imported():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        cwd=str(__import__("tests.conftest", fromlist=["ROOT"]).ROOT))
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+# ------------------------------------------------------ a side that runs on after the other has ended
+def test_the_standard_side_runs_at_its_own_typical_pass_when_mtp_ends_early():
+    """static k=3 on a loaded CPU: the MTP answer ends after 20 passes, standard decoding runs 121 more. The
+    standard side's typical pass is the median of all its own passes, not of the 20 that ran beside MTP while the
+    CPU was busy (it read 9.4 tok/s where it ran 122 tokens at 16.6 tok/s); the pass cost still comes from the
+    pairs, so MTP's typical pass is that median times the paired cost."""
+    import statistics
+
+    std = [_rec(0, 0.1)] + [_rec(i, 0.1) for i in range(1, 21)] + [_rec(i, 0.05) for i in range(21, 122)]
+    mtp = [_rec(0, 0.11, 3)] + [_rec(i, 0.11, 3) for i in range(1, 21)]
+    sp = estimate_speedup(std, mtp)
+    own = statistics.median(r.seconds for r in std[1:])
+    assert sp.standard.per_pass == pytest.approx(own) == pytest.approx(0.05)
+    assert sp.pass_cost == pytest.approx(1.1) and sp.mtp.per_pass == pytest.approx(own * 1.1)
+    measured_tps = sp.standard.tokens / sp.standard.measured
+    # the counters' tok/s describe passes the standard side ran: no slower than its own plain sum says
+    assert sp.standard.tokens_per_second >= measured_tps
+    assert sp.ratio == pytest.approx(sp.mtp.tokens_per_second / sp.standard.tokens_per_second)
+    # the interval resamples the same way: it holds the ratio
+    assert sp.low <= sp.ratio <= sp.high
+
+
+def test_one_pair_gets_no_interval_and_a_headline_against_the_sums_says_why():
+    """One paired pass: the interval says there are too few pairs (how many, and how many it needs), and a
+    headline that points the other way from the measured sums says so and why."""
+    from app.runner import MIN_PAIRS_FOR_INTERVAL, Quality, Turn, TurnState
+    from model.engine.decoding import GenerationResult
+    from model.engine.strategies import static_k
+    from types import SimpleNamespace
+
+    std = [_rec(0, 0.1)] + [_rec(i, 0.05) for i in range(1, 7)] + [_rec(i, 0.3) for i in range(7, 12)]
+    mtp = [_rec(0, 0.1), _rec(1, 0.06)]
+    sp = estimate_speedup(std, mtp)
+    assert sp.pairs == 1 and sp.low is None and sp.ratio < 1 < sp.raw_ratio
+
+    def res(recs, spec):
+        ids = [0] * sum(len(r.kept) for r in recs)
+        return GenerationResult(text="a" * len(ids), token_ids=ids, passes=recs, strategy=spec)
+
+    turn = Turn(lm=SimpleNamespace(source="synthetic"), strategy=static_k(3), max_new_tokens=64, history=[],
+                message="hi", prompt_ids=[1, 2, 3], number=1)
+    state = TurnState(turn, res(std, "standard"), res(mtp, "static:3"), True, True, "done",
+                      quality=Quality(0.4, 0.4))
+    line, _ = render.headline(state)
+    assert f"{1 / sp.ratio:.2f}× slower" in line and f"measured sums read {sp.raw_ratio:.2f}× faster" in line
+    assert "1 pair of passes" in line
+    html = render.speed_html(state)
+    assert f"no interval from 1 pair of passes (it needs {MIN_PAIRS_FOR_INTERVAL})" in html
+    # agreeing directions: no caveat in the headline
+    same = TurnState(turn, res(std[:7], "standard"), res(mtp, "static:3"), True, True, "done",
+                     quality=Quality(0.4, 0.4))
+    assert "measured sums" not in render.headline(same)[0]
