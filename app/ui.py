@@ -277,7 +277,7 @@ def turn_outputs(state: TurnState, *, figures_due: bool, first: bool = False) ->
                                        timing=sp.standard if sp else None),
         stats_mtp=render.counters_html(state.mtp, side="mtp", label=label, state=mtp_state,
                                        timing=sp.mtp if sp else None, verifies=state.strategy.verifies),
-        speed=render.speed_html(state) if (draw or state.phase != "running") else gr.skip(),
+        speed=render.speed_html(state),  # with the counters, in the same update: the headline never lags them
         coloured=render.figure1_html(state.mtp.passes, state.strategy) if draw else gr.skip(),
         figure=figure_html(state, choice_of(state.strategy)) if draw else gr.skip(),
         race=figures.race_figure([("standard", state.standard.passes), (label, state.mtp.passes)])

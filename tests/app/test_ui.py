@@ -296,3 +296,19 @@ def test_the_pages_figures_agree_on_a_loaded_cpu(client):
     assert raw == pytest.approx(res["speed"]["raw_ratio"], rel=1e-3)
     assert f"measured sums (race chart; load spikes skew them): {render.times_text(raw)}" in \
         htmllib.unescape(out["speed"])
+
+
+def test_the_headline_updates_with_the_counters_while_streaming(tiny_registry):
+    """Every update of a running turn that carries the counters carries the headline of the same state (it lagged
+    them: it was drawn only when the figures were due)."""
+    from app.runner import prepare_turn, run_turn
+
+    turn = prepare_turn(tiny_registry, "hi", [], "ConfAdapt", 0.9, 4, 3, 8, ("tiny", "none"))
+    running = [s for s in run_turn(turn) if not s.final and s.speed is not None]
+    assert running
+    for state in running:
+        out = dict(zip(ui.TURN_OUTPUTS, ui.turn_outputs(state, figures_due=False)))
+        assert out["stats_std"] == render.counters_html(state.standard, side="standard", label="standard",
+                                                        state="done" if state.standard_done else "running",
+                                                        timing=state.speed.standard)
+        assert out["speed"] == render.speed_html(state)
