@@ -9,7 +9,8 @@ toast over the controls), and the message box keeps the text.
 
 API clients (``gradio_client``) get plain values: ``/chat`` and ``/load_model`` are events of their own
 whose outputs are complete values (the page's own events may skip outputs, which a client would receive
-as Gradio's raw update dicts).
+as Gradio's raw update dicts), on hidden components of their own: free-form inputs (the README's vocabulary,
+which the page's radio buttons would refuse) and outputs labelled with their names (``view_api()``).
 """
 
 from __future__ import annotations
@@ -712,6 +713,21 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True,
         result = gr.JSON(None, visible=False, elem_id="result")
         api_chat_btn = gr.Button(visible=False, elem_id="api-chat")
         api_load_btn = gr.Button(visible=False, elem_id="api-load")
+        with gr.Column(visible=False, elem_id="api-components"):
+            # The API's own components, never shown: free-form inputs that take the README's vocabulary (the
+            # page's radio buttons and slider refuse values outside their choices before the app can check them)
+            # and outputs labelled with their names (view_api() names outputs by label: value_5, ... without).
+            api_chat_inputs = [
+                gr.Textbox(label="message"), gr.JSON([], label="history"), gr.Textbox("ConfAdapt", label="strategy"),
+                gr.Number(DEFAULT_TAU, label="tau"), gr.Number(default_k_max, label="k_max"),
+                gr.Number(DEFAULT_STATIC_K, label="k"), gr.Number(DEFAULT_MAX_NEW_TOKENS, label="max_new_tokens"),
+                gr.Textbox("fastest here", label="shape"), model_key]
+            api_chat_outputs = [api_output(name) for name in TURN_OUTPUTS]
+            api_load_inputs = [gr.Textbox(DEFAULT_SOURCE, label="choice"), gr.Textbox("", label="local_path"),
+                               gr.Textbox("none", label="quantization"), gr.Textbox("auto", label="precision"),
+                               model_key]
+            api_load_outputs = [model_key, gr.HTML(label="model_info"), gr.HTML(label="status"),
+                                gr.Number(label="k_max")]
 
         outputs = [message, history, chat_std, chat_mtp, stats_std, stats_mtp, speed, coloured, fig_html, race,
                    table, status, notice, tradeoff, result]
@@ -719,7 +735,7 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True,
         turn_inputs = [message, history, strategy, tau, k_max, k, max_new, shape, model_key]
         gr.on([send.click, message.submit], chat, turn_inputs, outputs, api_name=False, trigger_mode="multiple",
               concurrency_limit=CONCURRENCY, concurrency_id="generate", show_progress="hidden")
-        api_chat_btn.click(chat_api, turn_inputs, outputs, api_name="chat", concurrency_limit=CONCURRENCY,
+        api_chat_btn.click(chat_api, api_chat_inputs, api_chat_outputs, api_name="chat", concurrency_limit=CONCURRENCY,
                            concurrency_id="generate", show_progress="hidden")
         stop_btn.click(stop, None, notice, api_name=False, queue=False, show_progress="hidden")
         clear_btn.click(clear, strategy, outputs[1:], api_name=False, queue=False, show_progress="hidden")
@@ -739,11 +755,22 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True,
         load_btn.click(load_model, [model_choice, local_path, quantization, precision, model_key, strategy, shape, tau],
                        [model_key, model_info, status, k_max, device_note, fastest_btn, strategy_help, tradeoff,
                         measure_btn], api_name=False, concurrency_limit=1)
-        api_load_btn.click(load_model_api, [model_choice, local_path, quantization, precision, model_key],
-                           [model_key, model_info, status, k_max], api_name="load_model", concurrency_limit=1)
+        api_load_btn.click(load_model_api, api_load_inputs, api_load_outputs, api_name="load_model",
+                           concurrency_limit=1)
     demo.mtp_registry = registry  # type: ignore[attr-defined]
     demo.mtp_sessions = sessions  # type: ignore[attr-defined]
     return demo
+
+
+def api_output(name: str) -> gr.components.Component:
+    """A hidden output of the /chat API named ``name`` (one of :data:`TURN_OUTPUTS`), of the kind its value is."""
+    if name == "message":
+        return gr.Textbox(label=name)
+    if name in ("history", "result"):
+        return gr.JSON(label=name)
+    if name in ("race", "tradeoff"):
+        return gr.Plot(label=name)
+    return gr.HTML(label=name)
 
 
 def _button_args(update: Any) -> dict:

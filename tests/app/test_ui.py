@@ -312,3 +312,34 @@ def test_the_headline_updates_with_the_counters_while_streaming(tiny_registry):
                                                         state="done" if state.standard_done else "running",
                                                         timing=state.speed.standard)
         assert out["speed"] == render.speed_html(state)
+
+
+def test_api_names_every_output_and_takes_what_the_readme_documents(tiny_served):
+    """``view_api()`` names /chat's 15 outputs as :data:`app.ui.TURN_OUTPUTS` and /load_model's three (they read
+    ``value_5, value_60, …``); /chat takes the README's vocabulary: the engine's strategy names and lossless shapes
+    such as ``0/1/3`` (the page's radio buttons refused both)."""
+    demo, c = tiny_served
+    api = c.view_api(return_format="dict", print_info=False)["named_endpoints"]
+    chat, load = api["/chat"], api["/load_model"]
+    assert [p["parameter_name"] for p in chat["parameters"]] == ["message", "history", "strategy", "tau", "k_max", "k",
+                                                                 "max_new_tokens", "shape"]
+    assert [r["label"] for r in chat["returns"]] == list(ui.TURN_OUTPUTS)
+    assert [p["parameter_name"] for p in load["parameters"]] == ["choice", "local_path", "quantization", "precision"]
+    assert [r["label"] for r in load["returns"]] == ["model_info", "status", "k_max"]
+    # README: shapes such as 0/1/3, "full tree", and the engine's names (confadapt, static, verify)
+    res = ask(c, "hi", strategy="lossless", k_max=4, max_new_tokens=6, shape="0/1/3")["result"]
+    assert res["phase"] == "done" and res["mtp"]["strategy"] == "verify:4:0/1/3" and res["identical"]
+    res = ask(c, "hi", strategy="verify", k_max=4, max_new_tokens=6, shape="full tree")["result"]
+    assert res["phase"] == "done" and res["mtp"]["strategy"] == "verify:4:full"
+    res = ask(c, "hi", strategy="confadapt", tau=0.5, max_new_tokens=6)["result"]
+    assert res["phase"] == "done" and res["mtp"]["strategy"] == "confadapt:0.5:4"
+    res = ask(c, "hi", strategy="static", k=2, max_new_tokens=6)["result"]
+    assert res["phase"] == "done" and res["mtp"]["strategy"] == "static:2"
+    # what the README does not document is refused by the app, in its words, as a plain value
+    out = ask(c, "hi", strategy="lossless", k_max=4, shape="zigzag")
+    assert out["result"]["phase"] == "error" and "Unknown lossless shape 'zigzag'" in out["result"]["status"]
+    # defaults, as view_api states them: a call with the message alone runs
+    out = c.predict("hi", api_name="/chat")
+    assert dict(zip(ui.TURN_OUTPUTS, out))["result"]["phase"] == "done"
+    info, status, k_max = c.predict("smollm2-135m", "", "none", "auto", api_name="/load_model")
+    assert "Loaded smollm2-135m" in status and isinstance(k_max, (int, float))
