@@ -35,6 +35,7 @@ class _FastState:
         self.model: Any = None  # the model object that engine (or reason) belongs to
         self.signature: tuple[int, int, int] | None = None
         self.reason: str | None = "not built yet"
+        self.kernel_note: str | None = None  # why our kernels do not run this model, when they do not
         self.adapter_off = adapter_off
 
     def engine_for(self, model: Any) -> Any:
@@ -45,8 +46,18 @@ class _FastState:
             return self.engine
         from ..errors import Unsupported
         from .fast_forward import build_engine
+        from .kernel_forward import build_kernel_engine
 
         self.engine, self.model, self.signature = None, model, sig
+        self.kernel_note = None
+        try:  # our kernels first (CPU, bf16 / float32), then the torch fast path
+            self.engine = build_kernel_engine(model)
+        except Unsupported as e:
+            self.kernel_note = f"our kernels not used: {e}"
+            log.info("Kernel path not used: %s", e)
+        if self.engine is not None:
+            self.reason = None
+            return self.engine
         try:
             self.engine = build_engine(model)
             self.reason = None
@@ -192,7 +203,12 @@ class LoadedModel:
         """Which implementation :meth:`forward` uses for decoding, in words (CLI, benchmark, app header)."""
         engine = self.fast_engine()
         if engine is not None:
-            return engine.describe()
+            desc = engine.describe()
+            if not desc.startswith("our kernels"):
+                from .kernels import status
+
+                desc += f" ({self._fast.kernel_note or status().reason})"
+            return desc
         if not self.fast or os.environ.get("MTP_FAST") == "0":
             return "library path (transformers + peft): fast path switched off"
         if getattr(self.model, "training", False):

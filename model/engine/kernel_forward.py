@@ -1,0 +1,281 @@
+"""The forward pass on our CPU kernels (:mod:`model.engine.kernels`): one C++ call per pass.
+
+:meth:`model.engine.loaded_model.LoadedModel.forward` runs decoding passes here when the model is on the CPU in
+bfloat16 or float32, the fast path supports it (:func:`model.engine.fast_weights.check_supported`) and
+``MTP_KERNELS`` is not ``off`` (:func:`model.engine.kernels.status`). What it guarantees, tested in
+``tests/engine/test_kernels.py``:
+
+* **row exactness**: each row of a T-token pass (any T, linear or tree layout, with or without the adapter on
+  its mask rows) has the bits of a one-token pass of the same token after the same KV cache, so lossless
+  verification gives standard decoding's tokens exactly, in bf16 as in float32;
+* **determinism**: the same bits with 1 or 2 threads (threads split output columns, never a sum) and in every
+  run;
+* **close to transformers**: the same ops and roundings to the model's dtype as transformers' eager pass, with
+  sums in our own order (docs/DESIGN.md gives the measured differences).
+
+The weights are packed once (``bf16`` pairs for ``vdpbf16ps``, or 16-column panels widened to float32 in
+registers on AVX2); the adapter's factors stay float32 as peft keeps them and reach the mask rows inside the
+projection call, member by member (no block-diagonal zeros). The KV cache is the fast path's
+:class:`~model.engine.kv_cache.KVCache`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import Unsupported
+from . import kernels as K
+from .fast_weights import _base_linear, _plain, _token_override, check_supported, unwrap
+from .kv_cache import INITIAL_CAPACITY, KVCache
+
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class _Arena:
+    """Packed weights owned by this engine (freed with it) and the tensors their structs point into."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib, self.blocks, self.keep = lib, [], []
+
+    def pack(self, weight: torch.Tensor, layout: int) -> int:
+        """Pack ``weight`` ``[n, k]`` (bf16 or float32) into ``layout``; returns the buffer's address."""
+        w = weight.detach().contiguous()
+        if w.dtype not in DTYPES:
+            w = w.float()
+        n, k = w.shape
+        ptr = self.lib.mtp_alloc(self.lib.mtp_packed_bytes(n, k, layout))
+        if not ptr:
+            raise MemoryError(f"cannot allocate {n}x{k} packed weights")
+        self.blocks.append(ptr)
+        self.lib.mtp_pack_weight(w.data_ptr(), DTYPES[w.dtype], n, k, layout, ptr)
+        return ptr
+
+    def f32(self, t: torch.Tensor | None) -> int | None:
+        """A float32 contiguous copy of ``t`` kept alive here; its address (None for None)."""
+        if t is None:
+            return None
+        c = t.detach().to(torch.float32).contiguous()
+        self.keep.append(c)
+        return c.data_ptr()
+
+    def __del__(self) -> None:
+        for p in self.blocks:
+            self.lib.mtp_free(p)
+        self.blocks = []
+
+
+class KernelForward:
+    """The forward pass of one model on our kernels (built by :func:`build_kernel_engine`).
+
+    Attributes:
+        source: the model object the weights were packed from.
+        isa: the kernel path (``"avx512bf16"`` or ``"avx2"``).
+    """
+
+    def __init__(self, model: Any, isa: str, lib: ctypes.CDLL):
+        hf, peft_model = unwrap(model)
+        adapter = check_supported(hf, peft_model)
+        device = next(hf.parameters()).device
+        if device.type != "cpu":
+            raise Unsupported(f"our kernels run on the CPU (model on {device.type})")
+        emb_mod, head_mod = hf.get_input_embeddings(), hf.get_output_embeddings()
+        dtype = _plain(emb_mod).weight.dtype
+        if dtype not in DTYPES:
+            raise Unsupported(f"our kernels compute bfloat16 or float32 (model in {dtype})")
+        cfg, inner = hf.config, hf.model
+        self.source, self.isa, self.lib = model, isa, lib
+        self.device, self.dtype = device, dtype
+        heads = cfg.num_attention_heads
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        if hd > 512 or hd % 2:
+            raise Unsupported(f"head_dim {hd}")
+        self.kv_heads, self.head_dim, self.num_layers = kv, hd, len(inner.layers)
+        self.max_positions = getattr(cfg, "max_position_embeddings", None)
+        self.rotary = inner.rotary_emb
+        self._cos = self._sin = None
+        self.layout = 0 if dtype == torch.float32 else (2 if isa == "avx512bf16" else 1)
+        self.arena = arena = _Arena(lib)
+        self.adapter_kind = None
+        if peft_model is not None:
+            self.adapter_kind = ("alora" if getattr(peft_model.peft_config[adapter], "alora_invocation_tokens", None)
+                                 else "lora")
+        used = 0
+        layers = (K.Layer * max(1, self.num_layers))()
+        inter = None
+        for i, layer in enumerate(inner.layers):
+            att, mlp = layer.self_attn, layer.mlp
+            if type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLUActivation", "SiLU"):
+                raise Unsupported(f"MLP activation {type(getattr(mlp, 'act_fn', None)).__name__}")
+            mods = {n: _base_linear(getattr(att, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+            mods.update({n: _base_linear(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj")})
+            inter = mods["gate_proj"][0].out_features
+            L = layers[i]
+            for field, names in (("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",)),
+                                 ("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",))):
+                used += self._linear(getattr(L, field), [mods[n] for n in names], adapter)
+            L.ln1 = arena.f32(layer.input_layernorm.weight)
+            L.ln2 = arena.f32(layer.post_attention_layernorm.weight)
+            qn, kn = getattr(att, "q_norm", None), getattr(att, "k_norm", None)
+            L.q_norm = arena.f32(qn.weight) if qn is not None else None
+            L.k_norm = arena.f32(kn.weight) if kn is not None else None
+        if peft_model is not None:  # every LoRA layer of the model must be one this pass applies
+            lora_layers = sum(1 for m in peft_model.modules() if hasattr(m, "lora_A") and adapter in m.lora_A)
+            if lora_layers != used:
+                raise Unsupported(f"LoRA on {lora_layers - used} module(s) outside the attention and MLP projections")
+        head = _plain(head_mod)
+        if getattr(head, "bias", None) is not None:
+            raise Unsupported("an output embedding with bias")
+        self.embed = _plain(emb_mod).weight.detach()
+        override = _token_override(emb_mod, adapter)
+        self.adapter_embed = self.embed.index_copy(0, *override) if override is not None else None
+        self.vocab = head.weight.shape[0]
+        m = self.m = K.Model()
+        m.hidden, m.heads, m.kv_heads, m.head_dim = cfg.hidden_size, heads, kv, hd
+        m.inter, m.layers, m.dtype, m.isa = inter or 0, self.num_layers, DTYPES[dtype], K.ISA_CODES[isa]
+        m.eps = float(cfg.rms_norm_eps)
+        m.scaling = float(getattr(inner.layers[0].self_attn, "scaling", hd ** -0.5)) if self.num_layers else hd ** -0.5
+        self._layers = layers
+        m.layer = ctypes.cast(layers, ctypes.POINTER(K.Layer))
+        m.norm = arena.f32(inner.norm.weight)
+        m.head.w, m.head.n, m.head.k, m.head.layout = (arena.pack(head.weight, self.layout), self.vocab,
+                                                       head.weight.shape[1], self.layout)
+        head_override = _token_override(head_mod, adapter)
+        if head_override is not None:
+            idx, rows = head_override
+            m.head_override.w = arena.pack(rows.to(dtype), self.layout)
+            m.head_override.n, m.head_override.k, m.head_override.layout = rows.shape[0], rows.shape[1], self.layout
+            idx64 = idx.to(torch.int64).contiguous()
+            arena.keep.append(idx64)
+            m.override_idx = idx64.data_ptr()
+        self.has_adapter = bool(used) or self.adapter_embed is not None or head_override is not None
+
+    def _linear(self, out: K.Linear, mods: Sequence[tuple[Any, Any]], adapter: str | None) -> int:
+        """Fill ``out`` for the stacked projections ``mods`` (``(nn.Linear, peft layer or None)``); returns how
+        many carry the adapter."""
+        arena = self.arena
+        weights = [lin.weight.detach() for lin, _ in mods]
+        biases = [lin.bias for lin, _ in mods]
+        if any(b is not None for b in biases) and not all(b is not None for b in biases):
+            raise Unsupported("biases on some stacked projections only")
+        w = torch.cat(weights) if len(weights) > 1 else weights[0]
+        out.w, out.n, out.k, out.layout = arena.pack(w.to(self.dtype), self.layout), w.shape[0], w.shape[1], self.layout
+        out.bias = arena.f32(torch.cat([b.detach() for b in biases])) if biases[0] is not None else None
+        members, offset, r0, a_parts = 0, 0, 0, []
+        for lin, layer in mods:
+            if adapter is not None and layer is not None and adapter in layer.lora_A:
+                if getattr(layer, "merged", False):
+                    raise Unsupported("the LoRA adapter is merged into the base weights")
+                if layer.use_dora.get(adapter, False):
+                    raise Unsupported("DoRA adapters are not supported")
+                if getattr(layer, "lora_bias", {}).get(adapter, False):
+                    raise Unsupported("LoRA biases are not supported")
+                if not isinstance(layer.lora_dropout[adapter], torch.nn.Identity) and layer.training:
+                    raise Unsupported("LoRA dropout in training mode")
+                a = layer.lora_A[adapter].weight.detach().float()
+                b = layer.lora_B[adapter].weight.detach().float() * layer.scaling[adapter]
+                a_parts.append(a)
+                out.m_out0[members], out.m_out1[members] = offset, offset + lin.out_features
+                out.m_r0[members], out.m_r1[members] = r0, r0 + a.shape[0]
+                out.m_b[members] = arena.f32(b)
+                r0 += a.shape[0]
+                members += 1
+            offset += lin.out_features
+        out.members, out.rank = members, r0
+        if members:
+            out.lora_a = arena.pack(torch.cat(a_parts), 0)
+        return members
+
+    # ------------------------------------------------------------------ rotary table
+    def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin')`` float32 ``[T, head_dim]`` of the positions from the model's own rotary module (a table
+        grown by doubling), ``sin'`` with its first half negated."""
+        end = int(position_ids.max()) + 1
+        if self._cos is None or end > self._cos.shape[0]:
+            n = max(end, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
+            if self.max_positions:
+                n = max(end, min(n, self.max_positions))
+            probe = torch.empty(1, 1, self.head_dim, dtype=self.dtype)
+            cos, sin = self.rotary(probe, torch.arange(n)[None])
+            half = self.head_dim // 2
+            self._cos = cos[0].float().contiguous()
+            self._sin = torch.cat((-sin[0][:, :half], sin[0][:, half:]), -1).float().contiguous()
+        return self._cos[position_ids].contiguous(), self._sin[position_ids].contiguous()
+
+    def new_cache(self, capacity: int = INITIAL_CAPACITY) -> KVCache:
+        """An empty :class:`~model.engine.kv_cache.KVCache` for this model."""
+        cache = KVCache(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.device, capacity,
+                        self.max_positions)
+        cache.engine = self
+        return cache
+
+    def describe(self) -> str:
+        """One line: what this path does (the CLI, the benchmark and the app show it)."""
+        parts = [f"our kernels ({self.isa})", str(self.dtype).replace("torch.", "")]
+        if self.adapter_kind:
+            parts.append("aLoRA on mask rows" if self.adapter_kind == "alora" else "LoRA on all rows")
+        return ", ".join(parts)
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, adapter_rows: int, logits_to_keep: int,
+                positions: Sequence[int] | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
+        """One pass over ``input_ids`` appended to ``cache`` (the contract of
+        :meth:`model.engine.fast_forward.FastForward.forward`).
+
+        Args:
+            input_ids: ``[1, T]`` token ids.
+            cache: a :class:`KVCache` from :meth:`new_cache`; extended by ``T`` entries in input order.
+            adapter_rows: how many trailing rows get the adapter's delta (0: the base model).
+            logits_to_keep: trailing positions to return logits for (0: all).
+            positions: each input's position offset after the cache (None: ``0 .. T-1``).
+            visible: ``[T, T]`` bool, which inputs each input attends to besides the cache (None: causal).
+
+        Returns:
+            ``[1, logits_to_keep, V]`` logits in the model's dtype.
+
+        Raises:
+            RuntimeError: the kernel refused the shapes.
+        """
+        ids = input_ids[0]
+        t, pos = int(ids.shape[0]), cache.length
+        end = pos + t
+        cache.reserve(end)
+        rows = min(adapter_rows, t) if self.has_adapter else 0
+        table = self.adapter_embed if rows and self.adapter_embed is not None else self.embed
+        x = F.embedding(ids, table).float().contiguous()
+        if positions is None:
+            position_ids = torch.arange(pos, end)
+        else:
+            position_ids = torch.tensor(list(positions), dtype=torch.long) + pos
+        cos, sin = self._rope(position_ids)
+        vis = None
+        if visible is not None:
+            vis = visible.to(torch.bool).cpu().to(torch.uint8).contiguous()
+        keep = min(logits_to_keep, t) if logits_to_keep else t
+        logits = torch.empty(keep, self.vocab, dtype=torch.float32)
+        kp = (ctypes.c_void_p * self.num_layers)(*[k.data_ptr() for k in cache.k])
+        vp = (ctypes.c_void_p * self.num_layers)(*[v.data_ptr() for v in cache.v])
+        rc = self.lib.mtp_forward(ctypes.byref(self.m), x.data_ptr(), t, rows, kp, vp, cache.capacity, pos,
+                                  cos.data_ptr(), sin.data_ptr(), None if vis is None else vis.data_ptr(), keep,
+                                  logits.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"our kernels refused this pass (code {rc})")
+        cache.length = end
+        return (logits if self.dtype == torch.float32 else logits.to(self.dtype))[None]
+
+
+def build_kernel_engine(model: Any) -> KernelForward | None:
+    """The kernel forward pass for ``model``, or None when ``MTP_KERNELS`` or the machine leaves ours off
+    (:func:`model.engine.kernels.status` says why).
+
+    Raises:
+        Unsupported: the model is outside what our kernels compute (the message says why).
+        model.engine.kernels.KernelError: a forced ``MTP_KERNELS`` path that cannot run here.
+    """
+    st = K.status()
+    if st.isa is None:
+        return None
+    return KernelForward(model, st.isa, st.library)

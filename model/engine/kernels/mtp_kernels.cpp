@@ -1,0 +1,620 @@
+// The CPU forward pass of a Llama-family decoder, one call per pass (see kernels/__init__.py and
+// docs/DESIGN.md, "Kernels").
+//
+// What it guarantees: every output element is computed by one thread in one fixed order that depends on
+// nothing but that element's own inputs. A row of a T-row pass therefore has the same bits as a one-row pass
+// of the same token after the same KV cache, whatever T, whichever other rows share the pass and however
+// many threads run (threads split output columns and (row, head) pairs, never a reduction).
+//
+// Paths (picked by the caller, one per process):
+//   ISA_AVX2       : AVX2 + FMA. bf16 weights are widened to float32 in registers; fp32 FMA.
+//   ISA_AVX512BF16 : AVX512F/BW/VL + AVX512-BF16. bf16 weights and activations meet in vdpbf16ps (pairs of
+//                    products summed into float32); float32 weights use AVX512F FMA.
+// Attention, norms and element-wise work use AVX2 code on both paths.
+//
+// Numerics follow transformers' eager bf16 / float32 computation step by step (the same roundings to the
+// model's dtype after each op that transformers stores in that dtype); the sums inside an op run in our own
+// fixed order, so logits differ from transformers' by rounding (docs/DESIGN.md gives the figures).
+//
+// Built with g++ -O3 -fopenmp -ffp-contract=off (no fast-math: the compiler may not reorder a sum).
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <sys/mman.h>
+
+#define TGT2 __attribute__((target("avx2,fma,f16c")))
+#define TGT512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+enum { ISA_AVX2 = 1, ISA_AVX512BF16 = 2 };
+enum { LAYOUT_F32 = 0, LAYOUT_BF16 = 1, LAYOUT_BF16_PAIRS = 2 };
+enum { DT_F32 = 0, DT_BF16 = 1 };
+
+extern "C" {
+
+// ------------------------------------------------------------------------------------------------ structs
+// Mirrored by ctypes in kernels/__init__.py: keep the field order.
+typedef struct {
+  const void* w;        // packed weight (mtp_pack_weight)
+  int32_t n, k;         // output features, input features
+  int32_t layout;       // LAYOUT_*
+  const float* bias;    // [n] or NULL
+  // adapter (LoRA / aLoRA): delta = (x A^T) B^T on the adapter rows, per member without the zero blocks
+  int32_t rank;         // sum of the members' ranks (0: no adapter)
+  const void* lora_a;   // A of all members stacked, [rank, k] packed as LAYOUT_F32
+  int32_t members;      // at most 4
+  int32_t m_out0[4], m_out1[4], m_r0[4], m_r1[4];  // member j: output columns [out0, out1), ranks [r0, r1)
+  const float* m_b[4];  // member j: B * scaling, [out1 - out0, r1 - r0] row-major, float32
+} mtp_linear;
+
+typedef struct {
+  mtp_linear qkv, o, gate_up, down;
+  const float* ln1;     // [hidden]
+  const float* ln2;     // [hidden]
+  const float* q_norm;  // [head_dim] or NULL (Qwen3)
+  const float* k_norm;
+} mtp_layer;
+
+typedef struct {
+  int32_t hidden, heads, kv_heads, head_dim, inter, layers;
+  int32_t dtype;        // DT_F32 or DT_BF16: the model's dtype (activations rounded to it as transformers does)
+  int32_t isa;          // ISA_*
+  float eps, scaling;
+  const mtp_layer* layer;
+  const float* norm;    // [hidden]
+  mtp_linear head;      // lm_head
+  mtp_linear head_override;  // peft's trained output rows (n = count, 0: none)
+  const int64_t* override_idx;
+} mtp_model;
+
+}  // extern "C"
+
+// ------------------------------------------------------------------------------------------------ bf16
+static inline float bf16_to_f32(uint16_t v) {
+  uint32_t u = (uint32_t)v << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch (NaN stays NaN)
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+// ------------------------------------------------------------------------------------------------ memory
+extern "C" void* mtp_alloc(int64_t bytes) {
+  // 2 MB aligned, asked for huge pages: a pass streams every weight once and 4 KB pages cost ~30% of the
+  // read bandwidth here (TLB misses).
+  void* p = NULL;
+  const int64_t huge = 2 << 20;
+  int64_t size = (bytes + huge - 1) / huge * huge;
+  if (size == 0) size = huge;
+  if (posix_memalign(&p, huge, size) != 0) return NULL;
+#ifdef MADV_HUGEPAGE
+  madvise(p, size, MADV_HUGEPAGE);
+#endif
+  memset(p, 0, size);
+  return p;
+}
+extern "C" void mtp_free(void* p) { free(p); }
+
+// ------------------------------------------------------------------------------------------------ packing
+static inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+extern "C" int64_t mtp_packed_bytes(int32_t n, int32_t k, int32_t layout) {
+  int64_t nb = cdiv(n, 16);
+  if (layout == LAYOUT_F32) return nb * k * 16 * 4;
+  if (layout == LAYOUT_BF16) return nb * k * 16 * 2;
+  return nb * cdiv(k, 2) * 32 * 2;  // pairs: [nb][k/2][16][2]
+}
+
+// src: [n, k] row-major in float32 (src_dtype 0) or bf16 (1). dst: mtp_packed_bytes, zeroed (padding).
+extern "C" void mtp_pack_weight(const void* src, int32_t src_dtype, int32_t n, int32_t k, int32_t layout, void* dst) {
+  auto get = [&](int64_t i, int64_t j) -> float {
+    if (src_dtype == DT_BF16) return bf16_to_f32(((const uint16_t*)src)[i * k + j]);
+    return ((const float*)src)[i * k + j];
+  };
+  auto getraw16 = [&](int64_t i, int64_t j) -> uint16_t {
+    if (src_dtype == DT_BF16) return ((const uint16_t*)src)[i * k + j];
+    return f32_to_bf16(((const float*)src)[i * k + j]);
+  };
+  int64_t nb = cdiv(n, 16);
+  for (int64_t b = 0; b < nb; b++)
+    for (int64_t c = 0; c < 16; c++) {
+      int64_t i = b * 16 + c;
+      if (i >= n) continue;
+      if (layout == LAYOUT_F32) {
+        float* d = (float*)dst + b * (int64_t)k * 16;
+        for (int64_t j = 0; j < k; j++) d[j * 16 + c] = get(i, j);
+      } else if (layout == LAYOUT_BF16) {
+        uint16_t* d = (uint16_t*)dst + b * (int64_t)k * 16;
+        for (int64_t j = 0; j < k; j++) d[j * 16 + c] = getraw16(i, j);
+      } else {
+        int64_t k2 = cdiv(k, 2);
+        uint16_t* d = (uint16_t*)dst + b * k2 * 32;
+        for (int64_t j = 0; j < k; j++) d[(j / 2) * 32 + c * 2 + (j & 1)] = getraw16(i, j);
+      }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------ GEMM
+// out[t, n] = sum_k x[t, k] w[n, k] for rows t < T, columns of blocks [b0, b1) of 16; out has row stride ldo
+// (>= 16 * nb). Every element: one accumulator, k in increasing order (pairs of k for vdpbf16ps).
+
+// AVX2, weights LAYOUT_F32 or LAYOUT_BF16, x float32 [T, ldx]. V blocks of 16 columns, R rows.
+template <int R, int V, bool BF16>
+TGT2 static void mk_avx2(const void* w, int64_t k, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  __m256 acc[R][V][2];
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < V; v++) acc[r][v][0] = acc[r][v][1] = _mm256_setzero_ps();
+  const int64_t panel = k * 16;
+  for (int64_t j = 0; j < k; j++) {
+    __m256 wl[V], wh[V];
+    for (int v = 0; v < V; v++) {
+      if (BF16) {
+        const uint16_t* p = (const uint16_t*)w + v * panel + j * 16;
+        __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+        __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 8)));
+        wl[v] = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
+        wh[v] = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
+      } else {
+        const float* p = (const float*)w + v * panel + j * 16;
+        wl[v] = _mm256_loadu_ps(p);
+        wh[v] = _mm256_loadu_ps(p + 8);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      __m256 xb = _mm256_broadcast_ss(x + r * ldx + j);
+      for (int v = 0; v < V; v++) {
+        acc[r][v][0] = _mm256_fmadd_ps(xb, wl[v], acc[r][v][0]);
+        acc[r][v][1] = _mm256_fmadd_ps(xb, wh[v], acc[r][v][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < V; v++) {
+      _mm256_storeu_ps(out + r * ldo + v * 16, acc[r][v][0]);
+      _mm256_storeu_ps(out + r * ldo + v * 16 + 8, acc[r][v][1]);
+    }
+}
+
+// AVX512F, weights LAYOUT_F32, x float32.
+template <int R, int V>
+TGT512 static void mk_512_f32(const void* w, int64_t k, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  __m512 acc[R][V];
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < V; v++) acc[r][v] = _mm512_setzero_ps();
+  const int64_t panel = k * 16;
+  for (int64_t j = 0; j < k; j++) {
+    __m512 wv[V];
+    for (int v = 0; v < V; v++) wv[v] = _mm512_loadu_ps((const float*)w + v * panel + j * 16);
+    for (int r = 0; r < R; r++) {
+      __m512 xb = _mm512_set1_ps(x[r * ldx + j]);
+      for (int v = 0; v < V; v++) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < V; v++) _mm512_storeu_ps(out + r * ldo + v * 16, acc[r][v]);
+}
+
+// AVX512-BF16, weights LAYOUT_BF16_PAIRS, x bf16 pairs [T, ldx] (uint32 = two bf16).
+template <int R, int V>
+TGT512 static void mk_512_bf16(const void* w, int64_t k2, const uint32_t* x, int64_t ldx, float* out, int64_t ldo) {
+  __m512 acc[R][V];
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < V; v++) acc[r][v] = _mm512_setzero_ps();
+  const int64_t panel = k2 * 32;
+  const uint16_t* wp = (const uint16_t*)w;
+  for (int64_t j = 0; j < k2; j++) {
+    __m512i wv[V];
+    for (int v = 0; v < V; v++) {
+      wv[v] = _mm512_loadu_si512((const void*)(wp + v * panel + j * 32));
+      _mm_prefetch((const char*)(wp + v * panel + j * 32) + 1024, _MM_HINT_T0);
+    }
+    for (int r = 0; r < R; r++) {
+      __m512i xb = _mm512_set1_epi32((int)x[r * ldx + j]);
+      for (int v = 0; v < V; v++)
+        acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)xb, (__m512bh)wv[v]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < V; v++) _mm512_storeu_ps(out + r * ldo + v * 16, acc[r][v]);
+}
+
+// One (row group, column group) tile through the micro-kernel that fits; R, V only change which registers
+// hold which accumulators, never an element's order.
+#define DISPATCH_RV(FN, RMAX, ...)                                                    \
+  switch (R * 8 + V) {                                                                \
+    case 1 * 8 + 1: FN<1, 1>(__VA_ARGS__); break;                                     \
+    case 1 * 8 + 2: FN<1, 2>(__VA_ARGS__); break;                                     \
+    case 1 * 8 + 3: FN<1, 3>(__VA_ARGS__); break;                                     \
+    case 1 * 8 + 4: FN<1, 4>(__VA_ARGS__); break;                                     \
+    case 2 * 8 + 1: FN<2, 1>(__VA_ARGS__); break;                                     \
+    case 2 * 8 + 2: FN<2, 2>(__VA_ARGS__); break;                                     \
+    case 2 * 8 + 3: FN<2, 3>(__VA_ARGS__); break;                                     \
+    case 2 * 8 + 4: FN<2, 4>(__VA_ARGS__); break;                                     \
+    case 3 * 8 + 1: FN<3, 1>(__VA_ARGS__); break;                                     \
+    case 3 * 8 + 2: FN<3, 2>(__VA_ARGS__); break;                                     \
+    case 3 * 8 + 3: FN<3, 3>(__VA_ARGS__); break;                                     \
+    case 3 * 8 + 4: FN<3, 4>(__VA_ARGS__); break;                                     \
+    case 4 * 8 + 1: FN<4, 1>(__VA_ARGS__); break;                                     \
+    case 4 * 8 + 2: FN<4, 2>(__VA_ARGS__); break;                                     \
+    case 4 * 8 + 3: FN<4, 3>(__VA_ARGS__); break;                                     \
+    case 4 * 8 + 4: FN<4, 4>(__VA_ARGS__); break;                                     \
+    default: break;                                                                   \
+  }
+
+template <int R, int V>
+TGT2 static void mk_avx2_bf16(const void* w, int64_t k, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  mk_avx2<R, V, true>(w, k, x, ldx, out, ldo);
+}
+template <int R, int V>
+TGT2 static void mk_avx2_f32(const void* w, int64_t k, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  mk_avx2<R, V, false>(w, k, x, ldx, out, ldo);
+}
+
+// Column blocks [b0, b1) for all T rows, on the calling thread.
+static void gemm_blocks(const mtp_linear* L, int isa, int T, const float* x, int64_t ldx, const uint32_t* xp,
+                        int64_t ldxp, float* out, int64_t ldo, int64_t b0, int64_t b1) {
+  const int64_t k = L->k;
+  int vmax, rmax;
+  if (L->layout == LAYOUT_BF16_PAIRS || isa == ISA_AVX512BF16) { vmax = 4; rmax = 4; }
+  else { vmax = T <= 1 ? 3 : 1; rmax = T <= 1 ? 1 : 4; }  // AVX2: 16 ymm registers
+  for (int64_t b = b0; b < b1; b += vmax) {
+    int V = (int)((b1 - b) < vmax ? (b1 - b) : vmax);
+    for (int t = 0; t < T; t += rmax) {
+      int R = (T - t) < rmax ? (T - t) : rmax;
+      float* o = out + t * ldo + b * 16;
+      if (L->layout == LAYOUT_BF16_PAIRS) {
+        const void* w = (const uint16_t*)L->w + b * cdiv(k, 2) * 32;
+        DISPATCH_RV(mk_512_bf16, 4, w, cdiv(k, 2), xp + t * ldxp, ldxp, o, ldo)
+      } else if (isa == ISA_AVX512BF16 && L->layout == LAYOUT_F32) {
+        const void* w = (const float*)L->w + b * k * 16;
+        DISPATCH_RV(mk_512_f32, 4, w, k, x + t * ldx, ldx, o, ldo)
+      } else if (L->layout == LAYOUT_F32) {
+        const void* w = (const float*)L->w + b * k * 16;
+        DISPATCH_RV(mk_avx2_f32, 4, w, k, x + t * ldx, ldx, o, ldo)
+      } else {
+        const void* w = (const uint16_t*)L->w + b * k * 16;
+        DISPATCH_RV(mk_avx2_bf16, 4, w, k, x + t * ldx, ldx, o, ldo)
+      }
+    }
+  }
+}
+
+// Thread tid's share of nb column blocks (contiguous, in multiples of 4 blocks).
+static inline void share(int64_t nb, int tid, int nt, int64_t* b0, int64_t* b1) {
+  int64_t units = cdiv(nb, 4);
+  int64_t per = units / nt, extra = units % nt;
+  int64_t u0 = tid * per + (tid < extra ? tid : extra);
+  int64_t u1 = u0 + per + (tid < extra ? 1 : 0);
+  *b0 = u0 * 4 < nb ? u0 * 4 : nb;
+  *b1 = u1 * 4 < nb ? u1 * 4 : nb;
+}
+
+// Per-thread scratch (grows, never shrinks).
+struct Scratch {
+  float* p = nullptr;
+  int64_t n = 0;
+  float* get(int64_t want) {
+    if (want > n) {
+      free(p);
+      n = want + want / 2 + 64;
+      if (posix_memalign((void**)&p, 64, n * sizeof(float)) != 0) p = nullptr;
+    }
+    return p;
+  }
+  ~Scratch() { free(p); }
+};
+
+// y[T, n] (row stride ldy) = x[T, k] W^T (+ bias), rounded to the dtype; then for the last `arows` rows the
+// adapter's delta is added (peft's order: base result in the dtype + float32 delta, rounded again).
+static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* x, int64_t ldx, float* y,
+                   int64_t ldy, int arows, int nt) {
+  const int64_t n = L->n, k = L->k, nb = cdiv(n, 16), ldo = nb * 16;
+  static thread_local Scratch s_out, s_xp, s_u;
+  float* out = (ldy == ldo) ? y : s_out.get((int64_t)T * ldo);
+  uint32_t* xp = nullptr;
+  int64_t ldxp = cdiv(k, 2);
+  if (L->layout == LAYOUT_BF16_PAIRS) {  // activations as bf16 pairs (exact: they hold bf16 values)
+    xp = (uint32_t*)s_xp.get((int64_t)T * ldxp);
+    for (int t = 0; t < T; t++) {
+      uint16_t* d = (uint16_t*)(xp + t * ldxp);
+      for (int64_t j = 0; j < k; j++) d[j] = f32_to_bf16(x[t * ldx + j]);
+      if (k & 1) d[k] = 0;
+    }
+  }
+#pragma omp parallel num_threads(nt)
+  {
+    int64_t b0, b1;
+    share(nb, omp_get_thread_num(), omp_get_num_threads(), &b0, &b1);
+    if (b0 < b1) gemm_blocks(L, M->isa, T, x, ldx, xp, ldxp, out, ldo, b0, b1);
+  }
+  for (int t = 0; t < T; t++)
+    for (int64_t j = 0; j < n; j++) {
+      float v = out[t * ldo + j];
+      if (L->bias) v += L->bias[j];
+      y[t * ldy + j] = M->dtype == DT_BF16 ? round_bf16(v) : v;
+    }
+  if (arows <= 0 || L->rank == 0) return;
+  arows = arows < T ? arows : T;
+  const int t0 = T - arows;
+  // u = x A^T for the adapter rows: the same column kernel on A (float32, LAYOUT_F32)
+  mtp_linear A;
+  memset(&A, 0, sizeof A);
+  A.w = L->lora_a; A.n = L->rank; A.k = L->k; A.layout = LAYOUT_F32;
+  const int64_t nbu = cdiv(L->rank, 16), ldu = nbu * 16;
+  float* u = s_u.get((int64_t)arows * ldu);
+#pragma omp parallel num_threads(nt)
+  {
+    int64_t b0, b1;
+    share(nbu, omp_get_thread_num(), omp_get_num_threads(), &b0, &b1);
+    if (b0 < b1) gemm_blocks(&A, M->isa, arows, x + t0 * ldx, ldx, nullptr, 0, u, ldu, b0, b1);
+  }
+  // delta[t, j] = sum_r u[t, r] B[j, r] over the member's ranks only (no zero blocks), r in order
+  for (int m = 0; m < L->members; m++) {
+    const int o0 = L->m_out0[m], o1 = L->m_out1[m], r0 = L->m_r0[m], rr = L->m_r1[m] - r0;
+    const float* B = L->m_b[m];
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int j = o0; j < o1; j++) {
+      const float* bj = B + (int64_t)(j - o0) * rr;
+      for (int t = 0; t < arows; t++) {
+        const float* ut = u + t * ldu + r0;
+        float d = 0.f;
+        for (int r = 0; r < rr; r++) d += ut[r] * bj[r];
+        float* yv = y + (int64_t)(t0 + t) * ldy + j;
+        *yv = M->dtype == DT_BF16 ? round_bf16(*yv + d) : *yv + d;
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ AVX2 math
+// exp on 8 lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial); |error| ~1 ulp, lane-wise.
+TGT2 static inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447504019f);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, z, x);
+  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// exp of n floats in place, 8 at a time (a tail is padded: every element goes through the same lanes' code)
+TGT2 static void exp_inplace(float* v, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, exp8(_mm256_loadu_ps(v + i)));
+  if (i < n) {
+    float tmp[8] = {0};
+    for (int64_t j = i; j < n; j++) tmp[j - i] = v[j];
+    _mm256_storeu_ps(tmp, exp8(_mm256_loadu_ps(tmp)));
+    for (int64_t j = i; j < n; j++) v[j] = tmp[j - i];
+  }
+}
+
+// Sum of n floats: 8 lanes over the vector body (tail padded with zeros), then the lanes in a fixed order.
+TGT2 static float sum_lanes(const float* v, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(v + i));
+  float tmp[8] = {0};
+  for (int64_t j = i; j < n; j++) tmp[j - i] = v[j];
+  acc = _mm256_add_ps(acc, _mm256_loadu_ps(tmp));
+  _mm256_storeu_ps(tmp, acc);
+  return ((tmp[0] + tmp[1]) + (tmp[2] + tmp[3])) + ((tmp[4] + tmp[5]) + (tmp[6] + tmp[7]));
+}
+
+// Dot product of n floats, same shape of sum as sum_lanes.
+TGT2 static float dot_lanes(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float ta[8] = {0}, tb[8] = {0};
+  for (int64_t j = i; j < n; j++) { ta[j - i] = a[j]; tb[j - i] = b[j]; }
+  acc = _mm256_fmadd_ps(_mm256_loadu_ps(ta), _mm256_loadu_ps(tb), acc);
+  _mm256_storeu_ps(ta, acc);
+  return ((ta[0] + ta[1]) + (ta[2] + ta[3])) + ((ta[4] + ta[5]) + (ta[6] + ta[7]));
+}
+
+// The dot product of q with one cached key (bf16 or float32 entries), as dot_lanes.
+TGT2 static float dot_kv(const float* q, const void* kc, int dtype, int64_t off, int hd, float* tmp) {
+  if (dtype != DT_BF16) return dot_lanes(q, (const float*)kc + off, hd);
+  const uint16_t* k = (const uint16_t*)kc + off;
+  for (int d = 0; d < hd; d++) tmp[d] = bf16_to_f32(k[d]);
+  return dot_lanes(q, tmp, hd);
+}
+
+// acc[d] = fma(p, v[d], acc[d]) for one cached value (every lane one fused multiply-add, vector or tail).
+TGT2 static void axpy_kv(float* acc, float p, const void* vc, int dtype, int64_t off, int hd) {
+  const __m256 pv = _mm256_set1_ps(p);
+  int d = 0;
+  if (dtype == DT_BF16) {
+    const uint16_t* v = (const uint16_t*)vc + off;
+    for (; d + 8 <= hd; d += 8) {
+      __m256 vf = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(v + d))), 16));
+      _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, vf, _mm256_loadu_ps(acc + d)));
+    }
+    for (; d < hd; d++) acc[d] = fmaf(p, bf16_to_f32(v[d]), acc[d]);
+  } else {
+    const float* v = (const float*)vc + off;
+    for (; d + 8 <= hd; d += 8) _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc + d)));
+    for (; d < hd; d++) acc[d] = fmaf(p, v[d], acc[d]);
+  }
+}
+
+// transformers' RMSNorm: float32 statistics, x * rsqrt(mean(x^2) + eps) rounded to the dtype, times the
+// weight (rounded again in bf16).
+TGT2 static void rms_norm_row(const float* x, const float* w, float* y, int64_t n, float eps, int dtype) {
+  float ss = dot_lanes(x, x, n);
+  float r = 1.0f / sqrtf(ss / (float)n + eps);
+  for (int64_t i = 0; i < n; i++) {
+    float h = x[i] * r;
+    if (dtype == DT_BF16) h = round_bf16(h);
+    float v = w[i] * h;
+    y[i] = dtype == DT_BF16 ? round_bf16(v) : v;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ the pass
+static inline void kv_put(void* base, int dtype, int64_t i, float v) {
+  if (dtype == DT_BF16) ((uint16_t*)base)[i] = f32_to_bf16(v);
+  else ((float*)base)[i] = v;
+}
+
+// Attention of query rows [T, heads * hd] over the cache (entries [0, pos + T) of kc / vc, each
+// [kv_heads, cap, hd]); row t sees every entry below pos and entry pos + u where visible[t * T + u] (NULL:
+// u <= t). Each (row, head) is one task: its keys in cache order, its softmax and its weighted sum in a fixed
+// order; the result rounded to the dtype.
+TGT2 static void attention(const mtp_model* M, int T, const float* q, int64_t ldq, const void* kc, const void* vc,
+                           int64_t cap, int64_t pos, const uint8_t* visible, float* out, int64_t ldout, int nt) {
+  const int H = M->heads, hd = M->head_dim, groups = M->heads / M->kv_heads, dtype = M->dtype;
+  const int64_t L = pos + T;
+#pragma omp parallel num_threads(nt)
+  {
+    static thread_local Scratch s_sc, s_k, s_acc;
+    float* sc = s_sc.get(L + 8);
+    float* kf = s_k.get(hd + 8);
+    float* acc = s_acc.get(hd + 8);
+    int64_t* idx = (int64_t*)malloc(sizeof(int64_t) * (L + 1));
+#pragma omp for schedule(static)
+    for (int task = 0; task < T * H; task++) {
+      const int t = task / H, h = task % H, g = h / groups;
+      const float* qt = q + t * ldq + h * hd;
+      int64_t n = 0;
+      for (int64_t j = 0; j < pos; j++) idx[n++] = j;
+      for (int u = 0; u < T; u++)
+        if (visible ? visible[t * T + u] : (u <= t)) idx[n++] = pos + u;
+      const int64_t kbase = (int64_t)g * cap * hd;
+      for (int64_t i = 0; i < n; i++) sc[i] = dot_kv(qt, kc, dtype, kbase + idx[i] * hd, hd, kf) * M->scaling;
+      float m = -INFINITY;
+      for (int64_t i = 0; i < n; i++) m = sc[i] > m ? sc[i] : m;
+      for (int64_t i = 0; i < n; i++) sc[i] -= m;
+      exp_inplace(sc, n);
+      const float inv = 1.0f / sum_lanes(sc, n);
+      for (int d = 0; d < hd; d++) acc[d] = 0.f;
+      for (int64_t i = 0; i < n; i++) axpy_kv(acc, sc[i], vc, dtype, kbase + idx[i] * hd, hd);
+      float* o = out + t * ldout + h * hd;
+      for (int d = 0; d < hd; d++) o[d] = dtype == DT_BF16 ? round_bf16(acc[d] * inv) : acc[d] * inv;
+    }
+    free(idx);
+  }
+}
+
+// Rotary embedding x cos + rotate_half(x) sin with the first half of sin negated (sin_f), as transformers
+// rounds it in bf16: each product rounded, then the sum.
+static void rotate(float* x, const float* cos, const float* sin_f, int hd, int dtype) {
+  float tmp[512];
+  const int half = hd / 2;
+  for (int d = 0; d < hd; d++) {
+    float a = x[d] * cos[d];
+    float b = x[(d + half) % hd] * sin_f[d];
+    if (dtype == DT_BF16) { a = round_bf16(a); b = round_bf16(b); }
+    float s = a + b;
+    tmp[d] = dtype == DT_BF16 ? round_bf16(s) : s;
+  }
+  memcpy(x, tmp, sizeof(float) * hd);
+}
+
+// SiLU(gate) * up, rounded as transformers does in bf16 (silu rounded, then the product).
+TGT2 static void silu_mul(const float* gu, int64_t ld, int T, int inter, float* act, int dtype) {
+  static thread_local Scratch s;
+  float* e = s.get(inter + 8);
+  for (int t = 0; t < T; t++) {
+    const float* g = gu + t * ld;
+    const float* u = g + inter;
+    for (int i = 0; i < inter; i++) e[i] = -g[i];
+    exp_inplace(e, inter);
+    for (int i = 0; i < inter; i++) {
+      float s1 = g[i] / (1.0f + e[i]);
+      if (dtype == DT_BF16) s1 = round_bf16(s1);
+      float v = s1 * u[i];
+      act[t * inter + i] = dtype == DT_BF16 ? round_bf16(v) : v;
+    }
+  }
+}
+
+extern "C" int mtp_forward(const mtp_model* M, float* x, int32_t T, int32_t arows, void* const* kcache,
+                           void* const* vcache, int64_t cap, int64_t pos, const float* cos, const float* sin_f,
+                           const uint8_t* visible, int32_t keep, float* logits, int32_t nt) {
+  // x: [T, hidden] the embeddings (float32 holding dtype values), updated in place to the last hidden state.
+  // kcache / vcache: per layer [kv_heads, cap, hd] in the dtype; entries pos .. pos + T written.
+  // cos / sin_f: [T, hd] (the rotary table's rows of the pass's positions, sin's first half negated).
+  // logits: [keep, head.n] float32 (rounded to the dtype) of the last `keep` rows.
+  if (nt < 1) nt = 1;
+  const int Hd = M->hidden, H = M->heads, KV = M->kv_heads, hd = M->head_dim, I = M->inter, dt = M->dtype;
+  if (hd > 512) return 1;
+  const int64_t qkv_n = (int64_t)(H + 2 * KV) * hd;
+  static thread_local Scratch s_h, s_qkv, s_a, s_gu, s_act, s_o;
+  float* h = s_h.get((int64_t)T * Hd);
+  float* qkv = s_qkv.get((int64_t)T * qkv_n);
+  float* a = s_a.get((int64_t)T * H * hd);
+  float* gu = s_gu.get((int64_t)T * 2 * I);
+  float* act = s_act.get((int64_t)T * I);
+  float* o = s_o.get((int64_t)T * (Hd > I ? Hd : I));
+  for (int li = 0; li < M->layers; li++) {
+    const mtp_layer* Ly = &M->layer[li];
+    for (int t = 0; t < T; t++) rms_norm_row(x + t * Hd, Ly->ln1, h + t * Hd, Hd, M->eps, dt);
+    linear(M, &Ly->qkv, T, h, Hd, qkv, qkv_n, arows, nt);
+    for (int t = 0; t < T; t++) {
+      float* row = qkv + t * qkv_n;
+      for (int hh = 0; hh < H + KV; hh++) {
+        float* v = row + hh * hd;
+        if (Ly->q_norm) rms_norm_row(v, hh < H ? Ly->q_norm : Ly->k_norm, v, hd, M->eps, dt);
+        rotate(v, cos + t * hd, sin_f + t * hd, hd, dt);
+      }
+      for (int g = 0; g < KV; g++)
+        for (int d = 0; d < hd; d++) {
+          const int64_t at = ((int64_t)g * cap + pos + t) * hd + d;
+          kv_put(kcache[li], dt, at, row[(H + g) * hd + d]);
+          kv_put(vcache[li], dt, at, row[(H + KV + g) * hd + d]);
+        }
+    }
+    attention(M, T, qkv, qkv_n, kcache[li], vcache[li], cap, pos, visible, a, (int64_t)H * hd, nt);
+    linear(M, &Ly->o, T, a, (int64_t)H * hd, o, Hd, arows, nt);
+    for (int64_t i = 0; i < (int64_t)T * Hd; i++) x[i] = dt == DT_BF16 ? round_bf16(x[i] + o[i]) : x[i] + o[i];
+    for (int t = 0; t < T; t++) rms_norm_row(x + t * Hd, Ly->ln2, h + t * Hd, Hd, M->eps, dt);
+    linear(M, &Ly->gate_up, T, h, Hd, gu, 2 * I, arows, nt);
+    silu_mul(gu, 2 * I, T, I, act, dt);
+    linear(M, &Ly->down, T, act, I, o, Hd, arows, nt);
+    for (int64_t i = 0; i < (int64_t)T * Hd; i++) x[i] = dt == DT_BF16 ? round_bf16(x[i] + o[i]) : x[i] + o[i];
+  }
+  if (keep <= 0 || keep > T) keep = T;
+  const int t0 = T - keep;
+  for (int t = 0; t < keep; t++) rms_norm_row(x + (t0 + t) * Hd, M->norm, h + t * Hd, Hd, M->eps, dt);
+  const int64_t V = M->head.n;
+  linear(M, &M->head, keep, h, Hd, logits, V, 0, nt);
+  if (M->head_override.n > 0 && arows > 0) {  // peft's trained output rows, on the adapter rows only
+    const int ar = arows < keep ? arows : keep, n = M->head_override.n;
+    float* ov = s_o.get((int64_t)ar * n);
+    linear(M, &M->head_override, ar, h + (keep - ar) * Hd, Hd, ov, n, 0, nt);
+    for (int t = 0; t < ar; t++)
+      for (int j = 0; j < n; j++) logits[(int64_t)(keep - ar + t) * V + M->override_idx[j]] = ov[t * n + j];
+  }
+  return 0;
+}
+
+// For tests and the benchmark: y[T, n] = x W^T through the column kernel alone (rounded to the model dtype).
+extern "C" void mtp_linear_apply(const mtp_model* M, const mtp_linear* L, int32_t T, const float* x, float* y,
+                                 int32_t arows, int32_t nt) {
+  linear(M, L, T, x, L->k, y, L->n, arows, nt);
+}
+
+extern "C" int32_t mtp_abi_version(void) { return 1; }
