@@ -399,7 +399,7 @@ def tradeoff_figure(sweep: dict | None, *, tau: float | None = None, k_max: int 
         where = "" if now["inside"] else " (outside the measured taus: the nearest end)"
         add([now["effective_k"]], [now["agreement_with_standard"]], [now["nll_teacher"]],
             name=f"tau {now['tau']:g} now", colour=TRADEOFF_NOW, symbol="star", size=16,
-            hover=[f"the tau box: {now['tau']:g}{where}<br>effective k ≈ {now['effective_k']:.2f}"])
+            hover=[f"the tau slider: {now['tau']:g}{where}<br>effective k ≈ {now['effective_k']:.2f}"])
     done = [a for a in answers if a.get("effective_k") is not None]
     for ok, colour, title in ((True, ANSWER_IDENTICAL, "your answers: identical"),
                               (False, ANSWER_PARTED, "your answers: parted")):

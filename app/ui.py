@@ -527,7 +527,7 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True,
                 tradeoff_fig(key, tau_value, k_max_value, choice, session))
 
     def on_tau(choice, key, k_max_value, tau_value, request: gr.Request = None):
-        """The tau box moved: only the trade-off figure's marker is redrawn."""
+        """The tau slider moved: only the trade-off figure's marker is redrawn."""
         return tradeoff_fig(key, tau_value, k_max_value, choice, getattr(request, "session_hash", None))
 
     def use_fastest(key):
@@ -635,8 +635,8 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True,
         with gr.Row(elem_id="controls"):
             strategy = gr.Radio(list(STRATEGY_CHOICES), value="ConfAdapt", label="MTP strategy (right pane)",
                                 elem_id="strategy", scale=3, min_width=240)
-            tau = gr.Number(DEFAULT_TAU, label="tau (0 to 1)", elem_id="tau", min_width=100, scale=1,
-                            info="ConfAdapt threshold")
+            tau = threshold_slider(value=DEFAULT_TAU, label="tau (0 to 1)", elem_id="tau", min_width=160,
+                             scale=2, info="ConfAdapt threshold")
             k_max = gr.Number(default_k_max, label=f"k_max (1 to {APP_MAX_K_MAX})", elem_id="k-max", min_width=100,
                               scale=1, info="proposals per pass (lossless: the upper bound)")
             k = gr.Number(DEFAULT_STATIC_K, label=f"k (1 to {APP_MAX_K_MAX})", elem_id="k", min_width=100, scale=1,
@@ -760,6 +760,18 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True,
     demo.mtp_registry = registry  # type: ignore[attr-defined]
     demo.mtp_sessions = sessions  # type: ignore[attr-defined]
     return demo
+
+
+def threshold_slider(**kwargs: Any) -> gr.Slider:
+    """The tau control: Gradio's slider over [0, 1] (step 0.01, arrow keys step by it) with its number box beside
+    it, whose value reaches the app unchecked. Gradio's own check would raise a number typed past an end as a toast
+    over the controls, on every ``change`` of the box; the slider itself comes back to its range, and a value
+    outside it (an API client's) is refused by :func:`app.runner.app_strategy` in the status line, naming the rule
+    and the value. (An instance attribute, not a subclass: Gradio writes a ``.pyi`` file beside the module of
+    every Component subclass.)"""
+    slider = gr.Slider(0, 1, step=0.01, **kwargs)
+    slider.preprocess = lambda payload: payload  # type: ignore[method-assign]
+    return slider
 
 
 def api_output(name: str) -> gr.components.Component:

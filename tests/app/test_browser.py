@@ -85,8 +85,8 @@ def page(browser, served):
 
 
 def set_number(pg, elem_id: str, value) -> None:
-    """Type ``value`` into a number box (the page's controls are number boxes: nothing is clamped)."""
-    pg.fill(f"#{elem_id} input", str(value))
+    """Type ``value`` into a number box (k_max, k, max new tokens: nothing is clamped; tau: its slider's box)."""
+    pg.fill(f"#{elem_id} input[type=number]", str(value))
 
 
 def send(pg, text: str) -> None:
@@ -365,7 +365,7 @@ def test_lossless_answer_and_the_page_at_390_px(page, served, capsys):
 
 # ---------------------------------------------------------------------------- values refused, sessions
 def test_typed_values_are_refused_not_clamped(page):
-    for elem, value, expected in (("tau", -1, "got -1"), ("k-max", 33, "k_max must be from 1 to 32, got 33"),
+    for elem, value, expected in (("k-max", 33, "k_max must be from 1 to 32, got 33"),
                                   ("max-new-tokens", 100000, "got 100000")):
         set_number(page, elem, value)
         send(page, "hi")
@@ -373,8 +373,18 @@ def test_typed_values_are_refused_not_clamped(page):
         assert "Error" in status
         assert page.input_value(f"#{elem} input") == str(value)  # the box keeps what was typed
         assert page.input_value("#message textarea") == "hi"  # and so does the message box
-        set_number(page, elem, {"tau": 0.9, "k-max": 4, "max-new-tokens": 8}[elem])
-    assert page.input_value("#tau input") == "0.9"
+        set_number(page, elem, {"k-max": 4, "max-new-tokens": 8}[elem])
+    # tau is a slider over [0, 1] with its number beside it: it cannot hold a value outside the rule, and the
+    # value it holds is the one the turn runs (the API refuses -1: test_api_refuses_out_of_range_values_...)
+    assert page.input_value("#tau input[type=number]") == "0.9" == page.input_value("#tau input[type=range]")
+    set_number(page, "tau", -1)
+    page.locator("#tau input[type=number]").blur()
+    page.wait_for_function("() => document.querySelector('#tau input[type=number]').value === '0'", timeout=30_000)
+    assert page.input_value("#tau input[type=range]") == "0"
+    set_number(page, "max-new-tokens", 4)
+    send(page, "hi")
+    wait_status(page, "Turn 1: done in")
+    assert "tau=0.00" in page.inner_text("#speedup") and page.locator(".toast-body").count() == 0
     set_number(page, "tau", 0)  # 0 is a valid threshold
     page.click("#model-accordion .label-wrap")
     page.fill("#local-path textarea, #local-path input", str(ROOT / "README.md"))
@@ -439,11 +449,11 @@ def test_notices_never_cover_the_controls(browser, served, size):
     """Errors and refusals are said in the page, under the controls: no toast, and Stop stays clickable."""
     ctx, pg = open_page(browser, served[1], *size)
     try:
-        set_number(pg, "tau", -1)
+        set_number(pg, "k-max", 33)
         send(pg, "hi")
-        wait_status(pg, "got -1")
+        wait_status(pg, "got 33")
         assert pg.locator(".toast-body").count() == 0 and stop_is_on_top(pg)
-        set_number(pg, "tau", 0.9)
+        set_number(pg, "k-max", 4)
         set_number(pg, "max-new-tokens", 300)
         send(pg, "Tell me a long story about the sea.")
         wait_tokens(pg, 1)
@@ -575,6 +585,25 @@ def test_the_trade_off_is_measured_drawn_and_follows_tau(browser, served_tiny, c
         sweep = demo.mtp_registry.facts.sweep(("smollm2-135m", "none", "auto"), None)[0]
         by_tau = {p["tau"]: p["effective_k"] for p in sweep["points"] if p["name"] == "confadapt"}
         assert x9 == [pytest.approx(by_tau[0.9])] and x5 == [pytest.approx(by_tau[0.5])]
+        # tau is a slider over [0, 1] stepping by 0.01, its number beside it; the star follows the slider
+        # (a number box stepped 0.9 -> 1 -> 0 -> -1 with the arrow keys)
+        slider = pg.locator("#tau input[type=range]")
+        assert [slider.get_attribute(a) for a in ("min", "max", "step")] == ["0", "1", "0.01"]
+        slider.focus()
+        pg.keyboard.press("ArrowUp")
+        pg.wait_for_function("() => (" + JS_NAMES + ")().includes('tau 0.51 now')", timeout=30_000)
+        assert pg.input_value("#tau input[type=number]") == "0.51"
+        pg.keyboard.press("ArrowDown")
+        pg.keyboard.press("ArrowDown")
+        pg.wait_for_function("() => (" + JS_NAMES + ")().includes('tau 0.49 now')", timeout=30_000)
+        assert pg.input_value("#tau input[type=number]") == "0.49" == slider.input_value()
+        set_number(pg, "tau", 1.5)  # typed past the end: the slider stays in range, no toast
+        pg.locator("#tau input[type=number]").press("Enter")
+        pg.wait_for_function("() => document.querySelector('#tau input[type=range]').value === '1'", timeout=30_000)
+        assert pg.locator(".toast-body").count() == 0
+        set_number(pg, "tau", 0.5)
+        pg.locator("#tau input[type=number]").press("Enter")
+        pg.wait_for_function("() => (" + JS_NAMES + ")().includes('tau 0.5 now')", timeout=30_000)
         set_number(pg, "max-new-tokens", 6)
         send(pg, "hi")
         wait_status(pg, "Turn 1: done in")
