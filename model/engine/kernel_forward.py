@@ -181,7 +181,7 @@ class KernelForward:
                 a_parts.append(a)
                 out.m_out0[members], out.m_out1[members] = offset, offset + lin.out_features
                 out.m_r0[members], out.m_r1[members] = r0, r0 + a.shape[0]
-                out.m_b[members] = arena.f32(b)
+                out.m_b[members] = arena.pack(b, 0)
                 r0 += a.shape[0]
                 members += 1
             offset += lin.out_features

@@ -195,6 +195,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mtp_forward.restype = ctypes.c_int
     lib.mtp_linear_apply.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Linear), i32, vp, vp, i32, i32]
     lib.mtp_linear_apply.restype = None
+    lib.mtp_profile.argtypes, lib.mtp_profile.restype = [i32, ctypes.POINTER(ctypes.c_double)], None
     return lib
 
 

@@ -47,7 +47,7 @@ typedef struct {
   const void* lora_a;   // A of all members stacked, [rank, k] packed as LAYOUT_F32
   int32_t members;      // at most 4
   int32_t m_out0[4], m_out1[4], m_r0[4], m_r1[4];  // member j: output columns [out0, out1), ranks [r0, r1)
-  const float* m_b[4];  // member j: B * scaling, [out1 - out0, r1 - r0] row-major, float32
+  const void* m_b[4];   // member j: B * scaling, [out1 - out0, r1 - r0] packed as LAYOUT_F32
 } mtp_linear;
 
 typedef struct {
@@ -299,6 +299,20 @@ static inline void share(int64_t nb, int tid, int nt, int64_t* b0, int64_t* b1) 
   *b1 = u1 * 4 < nb ? u1 * 4 : nb;
 }
 
+// Seconds spent by category since the last reset (mtp_profile): projections, adapter, attention, the rest.
+static double g_prof[4];
+static int g_profiling = 0;
+struct ProfScope {
+  int cat; double t0;
+  explicit ProfScope(int c) : cat(c), t0(g_profiling ? omp_get_wtime() : 0) {}
+  ~ProfScope() { if (g_profiling) g_prof[cat] += omp_get_wtime() - t0; }
+};
+extern "C" void mtp_profile(int32_t enable, double* out) {
+  if (out) for (int i = 0; i < 4; i++) out[i] = g_prof[i];
+  for (int i = 0; i < 4; i++) g_prof[i] = 0;
+  g_profiling = enable;
+}
+
 // Per-thread scratch (grows, never shrinks).
 struct Scratch {
   float* p = nullptr;
@@ -320,6 +334,7 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
                    int64_t ldy, int arows, int nt) {
   const int64_t n = L->n, k = L->k, nb = cdiv(n, 16), ldo = nb * 16;
   static thread_local Scratch s_out, s_xp, s_u;
+  ProfScope prof_base(0);
   float* out = (ldy == ldo) ? y : s_out.get((int64_t)T * ldo);
   uint32_t* xp = nullptr;
   int64_t ldxp = cdiv(k, 2);
@@ -346,6 +361,7 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
   if (arows <= 0 || L->rank == 0) return;
   arows = arows < T ? arows : T;
   const int t0 = T - arows;
+  ProfScope prof_adapter(1);
   // u = x A^T for the adapter rows: the same column kernel on A (float32, LAYOUT_F32)
   mtp_linear A;
   memset(&A, 0, sizeof A);
@@ -358,21 +374,27 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
     share(nbu, omp_get_thread_num(), omp_get_num_threads(), &b0, &b1);
     if (b0 < b1) gemm_blocks(&A, M->isa, arows, x + t0 * ldx, ldx, nullptr, 0, u, ldu, b0, b1);
   }
-  // delta[t, j] = sum_r u[t, r] B[j, r] over the member's ranks only (no zero blocks), r in order
+  // delta[t, j] = sum_r u[t, r] B[j, r] over the member's ranks only (no zero blocks), r in order: the same
+  // column kernel on B (packed [out_m, r_m], LAYOUT_F32)
+  static thread_local Scratch s_d;
   for (int m = 0; m < L->members; m++) {
-    const int o0 = L->m_out0[m], o1 = L->m_out1[m], r0 = L->m_r0[m], rr = L->m_r1[m] - r0;
-    const float* B = L->m_b[m];
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int j = o0; j < o1; j++) {
-      const float* bj = B + (int64_t)(j - o0) * rr;
-      for (int t = 0; t < arows; t++) {
-        const float* ut = u + t * ldu + r0;
-        float d = 0.f;
-        for (int r = 0; r < rr; r++) d += ut[r] * bj[r];
-        float* yv = y + (int64_t)(t0 + t) * ldy + j;
-        *yv = M->dtype == DT_BF16 ? round_bf16(*yv + d) : *yv + d;
-      }
+    const int o0 = L->m_out0[m], om = L->m_out1[m] - o0, r0 = L->m_r0[m], rr = L->m_r1[m] - r0;
+    mtp_linear Bm;
+    memset(&Bm, 0, sizeof Bm);
+    Bm.w = L->m_b[m]; Bm.n = om; Bm.k = rr; Bm.layout = LAYOUT_F32;
+    const int64_t nbm = cdiv(om, 16), ldd = nbm * 16;
+    float* d = s_d.get((int64_t)arows * ldd);
+#pragma omp parallel num_threads(nt)
+    {
+      int64_t b0, b1;
+      share(nbm, omp_get_thread_num(), omp_get_num_threads(), &b0, &b1);
+      if (b0 < b1) gemm_blocks(&Bm, M->isa, arows, u + r0, ldu, nullptr, 0, d, ldd, b0, b1);
     }
+    for (int t = 0; t < arows; t++)
+      for (int j = 0; j < om; j++) {
+        float* yv = y + (int64_t)(t0 + t) * ldy + o0 + j;
+        *yv = M->dtype == DT_BF16 ? round_bf16(*yv + d[t * ldd + j]) : *yv + d[t * ldd + j];
+      }
   }
 }
 
@@ -434,12 +456,22 @@ TGT2 static float dot_lanes(const float* a, const float* b, int64_t n) {
   return ((ta[0] + ta[1]) + (ta[2] + ta[3])) + ((ta[4] + ta[5]) + (ta[6] + ta[7]));
 }
 
-// The dot product of q with one cached key (bf16 or float32 entries), as dot_lanes.
+// The dot product of q with one cached key (bf16 or float32 entries): the lanes and order of dot_lanes.
 TGT2 static float dot_kv(const float* q, const void* kc, int dtype, int64_t off, int hd, float* tmp) {
   if (dtype != DT_BF16) return dot_lanes(q, (const float*)kc + off, hd);
   const uint16_t* k = (const uint16_t*)kc + off;
-  for (int d = 0; d < hd; d++) tmp[d] = bf16_to_f32(k[d]);
-  return dot_lanes(q, tmp, hd);
+  __m256 acc = _mm256_setzero_ps();
+  int d = 0;
+  for (; d + 8 <= hd; d += 8) {
+    __m256 kf = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(k + d))), 16));
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), kf, acc);
+  }
+  float ta[8] = {0}, tb[8] = {0};
+  for (int j = d; j < hd; j++) { ta[j - d] = q[j]; tb[j - d] = bf16_to_f32(k[j]); }
+  acc = _mm256_fmadd_ps(_mm256_loadu_ps(ta), _mm256_loadu_ps(tb), acc);
+  _mm256_storeu_ps(ta, acc);
+  (void)tmp;
+  return ((ta[0] + ta[1]) + (ta[2] + ta[3])) + ((ta[4] + ta[5]) + (ta[6] + ta[7]));
 }
 
 // acc[d] = fma(p, v[d], acc[d]) for one cached value (every lane one fused multiply-add, vector or tail).
@@ -487,6 +519,7 @@ TGT2 static void attention(const mtp_model* M, int T, const float* q, int64_t ld
                            int64_t cap, int64_t pos, const uint8_t* visible, float* out, int64_t ldout, int nt) {
   const int H = M->heads, hd = M->head_dim, groups = M->heads / M->kv_heads, dtype = M->dtype;
   const int64_t L = pos + T;
+  ProfScope prof(2);
 #pragma omp parallel num_threads(nt)
   {
     static thread_local Scratch s_sc, s_k, s_acc;
