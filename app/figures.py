@@ -328,6 +328,21 @@ def tau_point(sweep: dict | None, tau: float | None, k_max: int | None = None) -
     return {"tau": tau, "k_max": k, "inside": inside, **vals}
 
 
+def _tau_labels(curve: Sequence[dict], x_span: float) -> list[str]:
+    """The tau labels of one ConfAdapt curve: points that sit at nearly the same place (within 3% of the x span
+    and 5% agreement) share one label, ``0.5, 0.7``, on the first of them, so that no two labels overlap."""
+    labels = [""] * len(curve)
+    head = None
+    for i, p in enumerate(curve):
+        near = head is not None and abs(p["effective_k"] - curve[head]["effective_k"]) <= 0.03 * max(x_span, 1e-9) \
+            and abs((p.get("agreement_with_standard") or 0) - (curve[head].get("agreement_with_standard") or 0)) <= 0.05
+        if not near:
+            head = i
+        taus = sorted([float(t) for t in labels[head].split(", ") if t] + [p["tau"]])
+        labels[head] = ", ".join(f"{t:g}" for t in taus)
+    return labels
+
+
 def tradeoff_figure(sweep: dict | None, *, tau: float | None = None, k_max: int | None = None,
                     answers: Sequence[dict] = (), source: str | None = None) -> go.Figure:
     """The loaded checkpoint's speed/quality trade-off: effective k (x) against agreement with standard
@@ -354,6 +369,14 @@ def tradeoff_figure(sweep: dict | None, *, tau: float | None = None, k_max: int 
         ann.update(x=0.0, xanchor="left", font={"size": 12})
     points = list((sweep or {}).get("points", []))
 
+    xs_all = [p["effective_k"] for p in points if p.get("effective_k") is not None] + \
+        [a["effective_k"] for a in answers if a.get("effective_k") is not None]
+    x_lo, x_hi = (min(xs_all), max(xs_all)) if xs_all else (0.0, 1.0)
+
+    def side(x: float) -> str:
+        """Labels right of the middle go left of their point: whole inside the figure on a phone."""
+        return "top left" if x > x_lo + 0.5 * (x_hi - x_lo) else "top right"
+
     def add(xs, ys_top, ys_bottom, *, name, colour, symbol, text=None, hover=None, mode="markers", size=10,
             legend=True, dash=None, line=False, open_marker=False):
         marker = {"color": colour, "symbol": symbol + ("-open" if open_marker else ""), "size": size,
@@ -362,7 +385,7 @@ def tradeoff_figure(sweep: dict | None, *, tau: float | None = None, k_max: int 
                   "hoverinfo": "text" if hover else None}
         if line:
             common["line"] = {"color": colour, "dash": dash or "solid"}
-        fig.add_trace(go.Scatter(x=xs, y=ys_top, text=text, textposition="top right", showlegend=legend,
+        fig.add_trace(go.Scatter(x=xs, y=ys_top, text=text, textposition=[side(x) for x in xs], showlegend=legend,
                                  cliponaxis=False, **common), row=1, col=1)  # labels at 100% stay whole
         fig.add_trace(go.Scatter(x=xs, y=ys_bottom, showlegend=False, **common), row=2, col=1)
 
@@ -382,7 +405,7 @@ def tradeoff_figure(sweep: dict | None, *, tau: float | None = None, k_max: int 
         curve = sorted((p for p in ca if (p.get("k_max") or 0) == k), key=lambda p: -p["tau"])
         add([p["effective_k"] for p in curve], [p["agreement_with_standard"] for p in curve],
             [p.get("nll_teacher") for p in curve], name=f"ConfAdapt k_max={k} (tau)", colour=TRADEOFF_CONFADAPT,
-            symbol="circle", mode="lines+markers+text", text=[f"{p['tau']:g}" for p in curve],
+            symbol="circle", mode="lines+markers+text", text=_tau_labels(curve, x_hi - x_lo),
             hover=[hover_of(p) for p in curve], line=True, size=8)
     for name, colour, symbol, title in (("verify", TRADEOFF_VERIFY, "diamond", "lossless"),
                                         ("static", TRADEOFF_STATIC, "triangle-up", "static k")):

@@ -625,3 +625,37 @@ def test_the_trade_off_is_measured_drawn_and_follows_tau(browser, served_tiny, c
         assert pg.locator("#shape").get_by_label("fastest here", exact=True).is_checked()
     finally:
         ctx.close()
+
+
+JS_TRADEOFF_LABELS = """() => {
+  const svg = document.querySelector('#tradeoff .main-svg');
+  if (!svg) return null;
+  const box = svg.getBoundingClientRect();
+  const labels = Array.from(document.querySelectorAll('#tradeoff .textpoint text')).filter(t => t.textContent.trim())
+    .map(t => { const r = t.getBoundingClientRect();
+                return {text: t.textContent, left: r.left, right: r.right, top: r.top, bottom: r.bottom}; });
+  return {left: box.left, right: box.right, labels};
+}"""
+
+
+@pytest.mark.parametrize("width", [390, 1280])
+def test_the_trade_off_labels_neither_overlap_nor_leave_the_figure(browser, served, width, capsys):
+    """The shipped sweep's labels: tau 0.5 and 0.7 sit at nearly the same point (they overlapped), and "k_max 4
+    full" sits near the right end (it was clipped at 390 px). Every label is whole inside the figure and no two
+    labels overlap."""
+    ctx, pg = open_page(browser, served[1], width, 900)
+    try:
+        pg.wait_for_function("() => document.querySelectorAll('#tradeoff .textpoint text').length > 0",
+                             timeout=60_000)
+        pg.locator("#tradeoff").scroll_into_view_if_needed()
+        found = pg.evaluate(JS_TRADEOFF_LABELS)
+        texts = [lab["text"] for lab in found["labels"]]
+        assert any("0.5" in t for t in texts) and any("0.7" in t for t in texts) and "k_max 4 full" in texts
+        for lab in found["labels"]:
+            assert found["left"] - 0.5 <= lab["left"] and lab["right"] <= found["right"] + 0.5, lab
+        for i, a in enumerate(found["labels"]):
+            for b in found["labels"][i + 1:]:
+                assert not overlap(a, b), (a, b)
+        screenshot(pg, f"app_tradeoff_labels_{width}.png", capsys)
+    finally:
+        ctx.close()

@@ -108,3 +108,20 @@ def test_tradeoff_figure_labels_taus_marks_lossless_tau_and_the_sessions_answers
     assert "no measured trade-off" in empty.layout.title.text
     assert any("Measure the trade-off" in a.text for a in empty.layout.annotations)
     assert "tau 0.9 now" not in {t.name for t in empty.data}
+
+
+def test_tradeoff_labels_at_one_place_are_one_label_and_right_hand_labels_go_left():
+    """The shipped sweep: tau 0.5 and 0.7 sit at nearly the same point (effective k 2.389 and 2.392, both 0%
+    identical): one label "0.5, 0.7"; labels right of the middle sit left of their point ("k_max 4 full" was
+    clipped at 390 px; the browser test checks the drawn boxes)."""
+    import json
+
+    from tests.conftest import ROOT
+
+    sweep = json.loads((ROOT / "assets" / "smollm2-135m-mtp" / "sweep.json").read_text())
+    fig = figures.tradeoff_figure(sweep, tau=0.9, k_max=4)
+    curve = next(t for t in fig.data if t.name == "ConfAdapt k_max=4 (tau)")
+    assert list(curve.text) == ["0.99", "0.9", "0.5, 0.7", ""]
+    lossless = next(t for t in fig.data if t.name == "lossless" and t.text is not None)
+    assert list(lossless.text) == ["k_max 4", "k_max 4 full"] and list(lossless.textposition) == ["top left"] * 2
+    assert list(curve.textposition)[:2] == ["top right", "top right"]
