@@ -341,6 +341,68 @@ def resolve_source(source: str) -> Source:
                           "or a Hugging Face Hub id such as owner/name.")
 
 
+#: Seconds a hub id waits for the Hugging Face Hub to answer before it is refused as unreachable (transformers'
+#: own retries took 69.6 s to give up without a network).
+HUB_PROBE_SECONDS = float(os.environ.get("MTP_HUB_PROBE_SECONDS", "5"))
+
+
+def hub_unreachable(timeout: float | None = None) -> str | None:
+    """Why the Hugging Face Hub cannot be asked now, or None when it answers.
+
+    ``HF_HUB_OFFLINE`` set, or no HTTP answer (any status counts as one) from the Hub's endpoint
+    (``HF_ENDPOINT``, through the environment's proxy) within ``timeout`` seconds (default
+    :data:`HUB_PROBE_SECONDS`; the name lookup included: the probe runs in a thread that is not waited for
+    longer)."""
+    import urllib.error
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"):
+        return "HF_HUB_OFFLINE is set"
+    timeout = HUB_PROBE_SECONDS if timeout is None else timeout
+    endpoint = str(constants.ENDPOINT).rstrip("/")
+    outcome: dict[str, str] = {}
+
+    def probe() -> None:
+        try:
+            urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout).close()
+            outcome["ok"] = ""
+        except urllib.error.HTTPError:  # an answer, whatever its status
+            outcome["ok"] = ""
+        except Exception as e:  # noqa: BLE001 - no answer: its reason
+            outcome["error"] = f"{type(e).__name__}: {getattr(e, 'reason', None) or e}"
+
+    thread = threading.Thread(target=probe, name="hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout + 0.5)
+    if "ok" in outcome:
+        return None
+    return f"{endpoint} did not answer ({outcome.get('error') or f'no answer within {timeout:g} s'})"
+
+
+def _without_the_hub(src: Source) -> Source:
+    """A hub source as it can load now: itself when the Hub answers; else its copy in the local Hugging Face cache
+    (loaded from there, no request sent), or a :class:`CheckpointError` at once that says why the Hub cannot
+    be asked."""
+    if src.kind != "hub":
+        return src
+    why = hub_unreachable()
+    if why is None:
+        return src
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(src.where, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached (or not whole): refused with the reason below
+        local = None
+    if local is not None and (Path(local) / "config.json").is_file():
+        log.info("The Hub cannot be asked (%s): loading %s from the local cache %s", why, src.where, local)
+        return Source("hf_dir", str(local), src.name)
+    raise CheckpointError(f"Could not load {src.where!r} from the Hugging Face Hub: {why}, and it is not in the local "
+                          "cache. Connect to the network (and unset HF_HUB_OFFLINE), or give a local copy's path.")
+
+
 def trained_k_max(source: str, adapter: str | Path | bool | None = True) -> int | None:
     """The k_max an MTP source was trained with, from its metadata alone (no weights read): what decoding
     uses when no k_max is given, known before loading (the CLIs resolve their strategy first). None when
@@ -435,13 +497,15 @@ def load_checkpoint(
 
     Raises:
         CheckpointError: unknown source, missing path or package, bad device or dtype, quantization
-            requested without CUDA, unreadable adapter metadata.
+            requested without CUDA, unreadable adapter metadata, a hub id while the Hub cannot be asked
+            (:func:`hub_unreachable`) and the checkpoint is not in the local cache.
     """
     src = resolve_source(source)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if prompt_format is not None and prompt_format not in PROMPT_FORMATS:
         raise CheckpointError(f"Unknown prompt format {prompt_format!r}: use one of {PROMPT_FORMATS}.")
+    src = _without_the_hub(src)  # no Hub: its local copy, or refused at once with the reason
     with _gguf_parsed_once() if src.kind in ("default", "gguf") else contextlib.nullcontext():
         return _load(src, dev, dt, quantization, mask_token, prompt_format, adapter)
 

@@ -593,3 +593,97 @@ def test_one_pair_gets_no_interval_and_a_headline_against_the_sums_says_why():
     same = TurnState(turn, res(std[:7], "standard"), res(mtp, "static:3"), True, True, "done",
                      quality=Quality(0.4, 0.4))
     assert "measured sums" not in render.headline(same)[0]
+
+
+# ------------------------------------------------------------------ a hub id without the Hub
+def test_a_hub_id_fails_at_once_when_hf_hub_offline_is_set():
+    """HF_HUB_OFFLINE set (the tests set it) and the checkpoint not in the local cache: refused at once, naming
+    the reason, without asking the network."""
+    import time
+
+    from model.engine.loading import load_checkpoint
+    from model.errors import CheckpointError
+
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint("nobody-here/not-a-cached-model")
+    assert time.monotonic() - t0 < 3.0
+    assert "HF_HUB_OFFLINE is set" in str(err.value) and "not in the local cache" in str(err.value)
+
+
+@pytest.fixture
+def silent_hub(monkeypatch):
+    """A Hugging Face endpoint on loopback that accepts connections and never answers until released:
+    (release event, endpoint). HF_HUB_OFFLINE is unset for the test."""
+    import socket
+
+    import huggingface_hub.constants as hf
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    release, held = threading.Event(), []
+
+    def serve():
+        server.settimeout(0.2)
+        while not release.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                pass
+        for conn in held:
+            conn.close()  # no answer: the connection ends
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hf, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hf, "ENDPOINT", endpoint)
+    yield release, endpoint
+    release.set()
+    thread.join(timeout=5)
+    server.close()
+
+
+def test_a_hub_id_fails_after_the_probe_when_the_hub_does_not_answer(silent_hub, monkeypatch):
+    """A Hub that does not answer: the load is refused after the probe's few seconds (it took 69.6 s of
+    transformers' retries), naming the endpoint and the reason."""
+    import time
+
+    from model.engine import loading
+    from model.errors import CheckpointError
+
+    monkeypatch.setattr(loading, "HUB_PROBE_SECONDS", 1.0)
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError) as err:
+        loading.load_checkpoint("nobody-here/not-a-cached-model")
+    assert time.monotonic() - t0 < 4.0
+    assert f"{silent_hub[1]} did not answer" in str(err.value) and "not in the local cache" in str(err.value)
+
+
+def test_chats_keep_running_while_a_hub_load_waits(silent_hub, tiny_registry, monkeypatch):
+    """While a hub id waits for the Hub, another session's turn runs to its end; then the load fails with the
+    reason, as a message for the page."""
+    from model.engine import loading
+
+    monkeypatch.setattr(loading, "HUB_PROBE_SECONDS", 60.0)
+    release, endpoint = silent_hub
+    tiny_loader = tiny_registry._loader
+    registry = ModelRegistry(loader=lambda source, **kw: tiny_loader(source, **kw) if source == "tiny"
+                             else loading.load_checkpoint(source, **kw))
+    failure: list[Exception] = []
+
+    def load_hub():
+        try:
+            registry.get("nobody-here/not-a-cached-model")
+        except RequestError as e:
+            failure.append(e)
+
+    loader = threading.Thread(target=load_hub)
+    loader.start()
+    last = finish(prepare_turn(registry, "hi", [], "ConfAdapt", 0.9, 4, 3, 6, ("tiny", "none")))[1]
+    assert last.phase == "done" and loader.is_alive() and not failure  # the turn ended; the load still waits
+    release.set()  # the Hub ends the connection without an answer
+    loader.join(timeout=30)
+    assert not loader.is_alive() and f"{endpoint} did not answer" in str(failure[0])
