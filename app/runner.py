@@ -833,6 +833,7 @@ class RunTicket:
         self._reason: str | None = None
         self.ended = threading.Event()
         self.turn_number: int | None = None
+        self._conversation: list[dict] | None = None
 
     def stop_reason(self) -> str | None:
         """``"stopped"`` / ``"cleared"`` once Stop / Clear was pressed, else None (pass to run_turn)."""
@@ -849,8 +850,14 @@ class RunTicket:
         except OSError as e:  # a read-only temp dir: the in-process flag still works
             log.warning("could not write the stop flag of run %s: %s", self.run_id, e)
 
+    def record(self, history: list[dict]) -> None:
+        """The conversation with this run's turn in it so far (its message and partial answers; the final one at
+        its end): kept for the session when the run ends (:meth:`release`), in the same step, so that the next
+        turn, which starts only then, continues it."""
+        self._conversation = list(history)
+
     def release(self) -> None:
-        """End the run (idempotent)."""
+        """End the run (idempotent), recording its conversation first (:meth:`record`; none after Clear)."""
         self._runs._release(self)
         try:
             (STOP_DIR / self.run_id).unlink(missing_ok=True)
@@ -870,8 +877,10 @@ class SessionRuns:
     :meth:`begin` returns a :class:`RunTicket` or None while the session's previous run is still
     going (the page then refuses the new message with a reason, keeping it in the box). A run asked
     to stop ends before its next forward pass, so :meth:`begin` waits a moment for it. The
-    conversation after each turn is kept here (:meth:`remember`), so that a message sent right after
-    Stop continues the stopped turn even when the page has not yet received it (:meth:`conversation`).
+    conversation after each turn is kept here, recorded by the run itself as it ends (:meth:`RunTicket.record`,
+    in the same step as its end: however it ends, its message and partial answers are kept before the next turn
+    may start), so that a message sent right after Stop continues the stopped turn even when the page has not
+    yet received it (:meth:`conversation`).
     """
 
     def __init__(self) -> None:
@@ -927,10 +936,14 @@ class SessionRuns:
         if session is None:
             return
         with self._lock:
-            self._conversations[session] = list(history)
-            self._conversations.move_to_end(session)
-            while len(self._conversations) > MAX_SESSIONS_KEPT:
-                self._conversations.popitem(last=False)
+            self._keep(session, history)
+
+    def _keep(self, session: str, history: list[dict]) -> None:
+        """:meth:`remember` with the lock held."""
+        self._conversations[session] = list(history)
+        self._conversations.move_to_end(session)
+        while len(self._conversations) > MAX_SESSIONS_KEPT:
+            self._conversations.popitem(last=False)
 
     def conversation(self, session: str | None, sent: list[dict]) -> list[dict]:
         """The conversation a new turn continues: what the page sent, unless the server's record of this
@@ -962,8 +975,15 @@ class SessionRuns:
         return points
 
     def _release(self, ticket: RunTicket) -> None:
+        """Record the run's conversation and end it in one step: a turn waiting in :meth:`begin` starts only
+        once both are done."""
         with self._lock:
             if self._runs.get(ticket.session) is ticket:
+                if ticket.stop_reason() == "cleared":
+                    self._keep(ticket.session, [])
+                elif ticket._conversation is not None:
+                    self._keep(ticket.session, ticket._conversation)
+                ticket._conversation = None
                 del self._runs[ticket.session]
         ticket.ended.set()
 

@@ -416,6 +416,7 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True,
     def generate_turn(message, history, strategy, tau, k_max, k, max_new_tokens, model_key, run_id, shape=None,
                       stream=True) -> Iterator[tuple]:
         """The turn itself: prepare, run both sides, render. Yields ``(outputs, final, history after, extra)``
+        (the history with this turn's partial answers while it runs; None when the turn could not start)
         where ``extra`` carries plain values for the main process: the finished answer's trade-off point and the
         model's width profile (measured here on first use on ZeroGPU). ``stream=False`` (API clients, who get the
         last outputs only) renders the first and the final state only.
@@ -451,7 +452,7 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True,
             if state.final:
                 prof = facts.profile(turn.model_key)
                 extra = {"point": answer_point(state), "profile": prof.to_dict() if prof else None}
-            yield out, state.final, history_after(state) if state.final else None, extra
+            yield out, state.final, history_after(state), extra
 
     if zero_gpu:  # a GPU for this turn only, requested for about as long as it can take
         generate_turn = spaces.GPU(duration=gpu_seconds)(generate_turn)
@@ -478,8 +479,8 @@ def build_app(registry: ModelRegistry | None = None, *, preload: bool = True,
             key = tuple(model_key or default_key)
             for out, final, after, extra in generate_turn(message, conversation, strategy, tau, k_max, k,
                                                           max_new_tokens, key, ticket.run_id, shape, stream):
-                if final and after is not None:
-                    sessions.remember(session, after)
+                if after is not None:  # recorded when the run ends, however it ends: the next turn continues it
+                    ticket.record(after)
                 if final:
                     if extra.get("profile") and facts.profile(key) is None:
                         facts.put_profile(key, WidthProfile.from_dict(extra["profile"]))

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -343,3 +344,76 @@ def test_api_names_every_output_and_takes_what_the_readme_documents(tiny_served)
     assert dict(zip(ui.TURN_OUTPUTS, out))["result"]["phase"] == "done"
     info, status, k_max = c.predict("smollm2-135m", "", "none", "auto", api_name="/load_model")
     assert "Loaded smollm2-135m" in status and isinstance(k_max, (int, float))
+
+
+# ------------------------------------------------------------------ Stop, then a message: the order of turns
+def _chat_of(demo):
+    """The page's chat handler (the generator behind Send) of a built app."""
+    return next(f.fn for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "chat")
+
+
+def _request(session: str):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(session_hash=session)
+
+
+def test_a_turn_starts_only_after_the_stopped_run_has_ended_and_recorded_its_answer(tiny_registry):
+    """The handler's order, step by step (no timing): a message sent while the session's run is stopping waits;
+    the run records its partial answer as it ends, in the same step; only then does the new turn start, and it
+    continues the conversation with the stopped turn in it."""
+    from app import build_app
+
+    demo = build_app(tiny_registry, preload=False)
+    sessions, chat = demo.mtp_sessions, _chat_of(demo)
+    key = ("tiny", "none", "auto")
+    running = sessions.begin("s")  # the previous run, stopping
+    running.request_stop("stopped")
+    stopped = [{"role": "user", "content": "Tell me a story."},
+               {"role": "assistant", "content": "Once upon", "mtp": "Once upon a"}]
+    running.record(stopped)
+    outputs: list = []
+    started = threading.Event()
+
+    def send():
+        for out in chat("What next?", [], "ConfAdapt", 0.9, 4, 3, 4, "linear", key, _request("s")):
+            started.set()
+            outputs.append(dict(zip(ui.TURN_OUTPUTS, out)))
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    assert not started.wait(0.5) and sessions.current("s") is running  # waits for the stopping run
+    running.release()  # the run ends: its partial answer is recorded in the same step
+    sender.join(timeout=60)
+    last = outputs[-1]
+    assert last["result"]["phase"] == "done" and last["result"]["turn"] == 2
+    assert last["history"][:2] == stopped and last["history"][2] == {"role": "user", "content": "What next?"}
+    assert sessions.conversation("s", []) == last["history"]
+
+
+def test_a_turn_that_ends_without_its_last_update_keeps_its_message(tiny_registry):
+    """A run whose handler is closed mid-turn (the page went away, an error while drawing) still records its message
+    and partial answers before the next turn may start: that turn continues the conversation with it."""
+    from app import build_app
+
+    demo = build_app(tiny_registry, preload=False)
+    sessions, chat = demo.mtp_sessions, _chat_of(demo)
+    key = ("tiny", "none", "auto")
+    gen = chat("Tell me a long story.", [], "ConfAdapt", 0.9, 4, 3, 200, "linear", key, _request("s"))
+    for _ in range(3):
+        next(gen)
+    gen.close()  # closed mid-turn, before its final update
+    assert sessions.current("s") is None
+    kept = sessions.conversation("s", [])
+    assert kept[0] == {"role": "user", "content": "Tell me a long story."} and kept[1]["role"] == "assistant"
+    outs = [dict(zip(ui.TURN_OUTPUTS, o)) for o in chat("And then?", [], "ConfAdapt", 0.9, 4, 3, 4, "linear", key,
+                                                     _request("s"))]
+    assert outs[-1]["result"]["turn"] == 2 and outs[-1]["history"][:2] == kept
+    # a cleared run that is closed keeps no conversation
+    gen = chat("Another story.", outs[-1]["history"], "ConfAdapt", 0.9, 4, 3, 200, "linear", key, _request("s"))
+    next(gen)
+    next(gen)
+    sessions.request_stop("s", "cleared")
+    sessions.remember("s", [])
+    gen.close()
+    assert sessions.conversation("s", []) == []
