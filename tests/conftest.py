@@ -67,6 +67,16 @@ def smollm2_adapter() -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def smollm2_adapter_bf16() -> LoadedModel:
+    """The embedded default in **bfloat16** (what users get on CPUs with native bf16): the kernels' exactness
+    tests. Read-only use!"""
+    try:
+        return load_checkpoint("smollm2-135m", dtype="bfloat16")
+    except Exception as e:  # package missing: integration tests cannot run
+        pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
 def base_tokenizer():
     """The real SmolLM2 tokenizer (49152 tokens + the mask token, id 49152), without the model's weights.
 

@@ -79,10 +79,24 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     return dev
 
 
+def _kernels_want_bf16(device: str | torch.device) -> bool:
+    """True on a CPU without native bf16 where our AVX2 kernel runs: it reads bf16 weights (half the bytes of
+    float32) and accumulates in float32, so a pass costs ~0.55x the float32 pass (``model.bench``)."""
+    if torch.device(device).type != "cpu":
+        return False
+    from .kernels import KernelError, status
+
+    try:
+        return status().isa == "avx2"
+    except KernelError:
+        return False
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device = "cpu") -> torch.dtype:
     """``"auto"`` -> bfloat16 where ``device`` computes it natively
-    (:func:`model.engine.precision.native_bf16`: CUDA with bf16, a CPU with AVX512-BF16 / AMX / Arm BF16),
-    float32 elsewhere; also accepts names like ``"float64"``.
+    (:func:`model.engine.precision.native_bf16`: CUDA with bf16, a CPU with AVX512-BF16 / AMX / Arm BF16) or
+    where our AVX2 kernel runs the pass (bf16 weights, float32 accumulation), float32 elsewhere; also accepts
+    names like ``"float64"``.
 
     Raises:
         CheckpointError: an unknown name.
@@ -90,7 +104,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device = 
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
-        return torch.bfloat16 if native_bf16(device) else torch.float32
+        return torch.bfloat16 if native_bf16(device) or _kernels_want_bf16(device) else torch.float32
     try:
         value = getattr(torch, str(dtype))
     except AttributeError:
@@ -500,8 +514,12 @@ def load_checkpoint(
             requested without CUDA, unreadable adapter metadata, a hub id while the Hub cannot be asked
             (:func:`hub_unreachable`) and the checkpoint is not in the local cache.
     """
-    src = resolve_source(source)
     dev = resolve_device(device)
+    if dev.type == "cpu":  # a forced MTP_KERNELS path this CPU cannot run: refused before anything loads
+        from .kernels import status
+
+        status()
+    src = resolve_source(source)
     dt = resolve_dtype(dtype, dev)
     if prompt_format is not None and prompt_format not in PROMPT_FORMATS:
         raise CheckpointError(f"Unknown prompt format {prompt_format!r}: use one of {PROMPT_FORMATS}.")

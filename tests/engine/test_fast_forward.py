@@ -1,5 +1,5 @@
-"""The fast forward path (model/engine/fast_forward.py, its weights packed by fast_weights.py, its
-KV cache kv_cache.py) against the library path (transformers + peft).
+"""The torch fast forward path (model/engine/fast_forward.py, its weights packed by fast_weights.py, its
+KV cache kv_cache.py; ``MTP_KERNELS=off``) against the library path (transformers + peft).
 
 ``lm.forward`` picks the implementation from the cache it is given: ``lm.new_cache()`` (a
 ``KVCache``) runs the fast path, a transformers ``DynamicCache`` the library path, so the same pass
@@ -37,7 +37,14 @@ from model.engine.strategies import confadapt, standard, static_k, verify
 from model.errors import Unsupported
 from tests.conftest import make_tiny
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "torch_fast_path")
+
+
+@pytest.fixture
+def torch_fast_path(monkeypatch):
+    """This module tests the torch fast path (``MTP_KERNELS=off``): same bits as transformers. Our kernels'
+    own guarantees (rows exact at every width, close to transformers) are tests/engine/test_kernels.py's."""
+    monkeypatch.setenv("MTP_KERNELS", "off")
 
 
 PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
@@ -308,7 +315,9 @@ def test_cache_growth_stops_at_the_model_positions():
 def shipped():
     """The embedded default with its shipped aLoRA adapter, in float32 and in bfloat16."""
     try:
-        return {dt: load_checkpoint("smollm2-135m", dtype=dt) for dt in ("float32", "bfloat16")}
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("MTP_KERNELS", "off")  # the torch fast path (module docstring)
+            return {dt: load_checkpoint("smollm2-135m", dtype=dt) for dt in ("float32", "bfloat16")}
     except Exception as e:
         pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
 

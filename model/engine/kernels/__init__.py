@@ -10,7 +10,7 @@ fixed order by one thread, the weights read once per pass for all rows (docs/DES
 How it is built: a plain shared library compiled by ``g++`` (about 5 s) and called through ``ctypes`` on
 ``data_ptr()``; not ``torch.utils.cpp_extension``, which took 25 s cold (56 s under load) for the same code,
 needs the torch headers and gives the same bits. ``scripts/setup.sh`` builds it; a first use without a build
-compiles it once into ``$MTP_CACHE_DIR`` (default ``~/.cache/mtp-lm``) and says so on stderr. A machine without
+compiles it once into ``~/.cache/mtp-lm/kernels`` (``$MTP_KERNELS_DIR``) and says so on stderr. A machine without
 a compiler keeps the library path (:func:`status` says why).
 
 Which kernel runs: ``MTP_KERNELS=auto|amx|avx512bf16|avx2|off`` (default ``auto``: the best the CPU has).
@@ -110,8 +110,9 @@ def choose_isa(value: str | None = None, flags: frozenset[str] | None = None) ->
 
 # ------------------------------------------------------------------------------------------- building
 def cache_dir() -> Path:
-    """Where built kernels live: ``$MTP_CACHE_DIR/kernels`` (default ``~/.cache/mtp-lm/kernels``)."""
-    return Path(os.environ.get("MTP_CACHE_DIR", Path.home() / ".cache" / "mtp-lm")) / "kernels"
+    """Where built kernels live: ``$MTP_KERNELS_DIR``, default ``~/.cache/mtp-lm/kernels`` (not under
+    ``$MTP_CACHE_DIR``, which tests point at empty folders for model copies: the kernels stay built)."""
+    return Path(os.environ.get("MTP_KERNELS_DIR") or Path.home() / ".cache" / "mtp-lm" / "kernels")
 
 
 def library_path() -> Path:
@@ -224,7 +225,7 @@ def status() -> KernelStatus:
         KernelError: a forced path this CPU cannot run, an unknown value, or a forced path whose build failed.
     """
     value = requested()
-    key = (value, os.environ.get("MTP_CACHE_DIR", ""))
+    key = (value, os.environ.get("MTP_KERNELS_DIR", ""))
     if key in _STATUS:
         return _STATUS[key]
     isa = choose_isa(value)
