@@ -14,14 +14,15 @@ bfloat16 or float32, the fast path supports it (:func:`model.engine.fast_weights
   sums in our own order (docs/DESIGN.md gives the measured differences).
 
 The weights are packed once (``bf16`` pairs for ``vdpbf16ps``, or 16-column panels widened to float32 in
-registers on AVX2); the adapter's factors stay float32 as peft keeps them and reach the mask rows inside the
-projection call, member by member (no block-diagonal zeros). The KV cache is the fast path's
+registers on AVX2); the adapter's factors (bf16 for a bf16 model, float32 products; ``MTP_LORA_FACTORS``) reach
+the mask rows inside the projection call, member by member (no block-diagonal zeros). The KV cache is the fast path's
 :class:`~model.engine.kv_cache.KVCache`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Any, Sequence
 
 import torch
@@ -99,6 +100,14 @@ class KernelForward:
         self.rotary = inner.rotary_emb
         self._cos = self._sin = None
         self.layout = 0 if dtype == torch.float32 else (2 if isa == "avx512bf16" else 1)
+        # The adapter's factors of a bf16 model are stored in bf16 and multiplied in float32 (u = x A^T stays
+        # float32): half the 39 MB a mask pass reads in float32 (SmolLM2, rank 32: 3.7 -> 2.5 ms for one mask
+        # row); the mask rows' argmax equals peft's (float32 factors) on 60 of 60 rows, as with float32 factors.
+        # MTP_LORA_FACTORS=float32 keeps them as peft does. A float32 model keeps float32 factors.
+        want = os.environ.get("MTP_LORA_FACTORS", "bf16").strip().lower()
+        if want not in ("bf16", "float32"):
+            raise Unsupported(f"MTP_LORA_FACTORS={want!r} (bf16 or float32)")
+        self.factor_layout = 1 if dtype == torch.bfloat16 and want == "bf16" else 0
         self.arena = arena = _Arena(lib)
         self.adapter_kind = None
         if peft_model is not None:
@@ -181,13 +190,14 @@ class KernelForward:
                 a_parts.append(a)
                 out.m_out0[members], out.m_out1[members] = offset, offset + lin.out_features
                 out.m_r0[members], out.m_r1[members] = r0, r0 + a.shape[0]
-                out.m_b[members] = arena.pack(b, 0)
+                out.m_b[members] = arena.pack(b, self.factor_layout)
                 r0 += a.shape[0]
                 members += 1
             offset += lin.out_features
         out.members, out.rank = members, r0
         if members:
-            out.lora_a = arena.pack(torch.cat(a_parts), 0)
+            out.lora_a = arena.pack(torch.cat(a_parts), self.factor_layout)
+            out.lora_layout = self.factor_layout
         return members
 
     # ------------------------------------------------------------------ rotary table

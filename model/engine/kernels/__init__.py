@@ -35,7 +35,7 @@ from pathlib import Path
 ENV = "MTP_KERNELS"
 CHOICES = ("auto", "amx", "avx512bf16", "avx2", "off")
 SOURCE = Path(__file__).with_name("mtp_kernels.cpp")
-ABI_VERSION = 1
+ABI_VERSION = 2
 ISA_CODES = {"avx2": 1, "avx512bf16": 2}
 #: CPU flags (``/proc/cpuinfo``) each path needs.
 NEEDS = {
@@ -165,7 +165,8 @@ class Linear(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("layout", ctypes.c_int32),
                 ("bias", ctypes.c_void_p), ("rank", ctypes.c_int32), ("lora_a", ctypes.c_void_p),
                 ("members", ctypes.c_int32), ("m_out0", ctypes.c_int32 * 4), ("m_out1", ctypes.c_int32 * 4),
-                ("m_r0", ctypes.c_int32 * 4), ("m_r1", ctypes.c_int32 * 4), ("m_b", ctypes.c_void_p * 4)]
+                ("m_r0", ctypes.c_int32 * 4), ("m_r1", ctypes.c_int32 * 4), ("m_b", ctypes.c_void_p * 4),
+                ("lora_layout", ctypes.c_int32)]
 
 
 class Layer(ctypes.Structure):

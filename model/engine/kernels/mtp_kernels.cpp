@@ -44,10 +44,11 @@ typedef struct {
   const float* bias;    // [n] or NULL
   // adapter (LoRA / aLoRA): delta = (x A^T) B^T on the adapter rows, per member without the zero blocks
   int32_t rank;         // sum of the members' ranks (0: no adapter)
-  const void* lora_a;   // A of all members stacked, [rank, k] packed as LAYOUT_F32
+  const void* lora_a;   // A of all members stacked, [rank, k] packed as lora_layout
   int32_t members;      // at most 4
   int32_t m_out0[4], m_out1[4], m_r0[4], m_r1[4];  // member j: output columns [out0, out1), ranks [r0, r1)
-  const void* m_b[4];   // member j: B * scaling, [out1 - out0, r1 - r0] packed as LAYOUT_F32
+  const void* m_b[4];   // member j: B * scaling, [out1 - out0, r1 - r0] packed as lora_layout
+  int32_t lora_layout;  // LAYOUT_F32, or LAYOUT_BF16 (factors stored in bf16, products in float32)
 } mtp_linear;
 
 typedef struct {
@@ -265,7 +266,8 @@ static void gemm_blocks(const mtp_linear* L, int isa, int T, const float* x, int
                         int64_t ldxp, float* out, int64_t ldo, int64_t b0, int64_t b1) {
   const int64_t k = L->k;
   int vmax, rmax;
-  if (L->layout == LAYOUT_BF16_PAIRS || isa == ISA_AVX512BF16) { vmax = 4; rmax = 4; }
+  const bool zmm = L->layout == LAYOUT_BF16_PAIRS || (isa == ISA_AVX512BF16 && L->layout == LAYOUT_F32);
+  if (zmm) { vmax = 4; rmax = 4; }  // 32 zmm registers
   else { vmax = T <= 1 ? 3 : 1; rmax = T <= 1 ? 1 : 4; }  // AVX2: 16 ymm registers
   for (int64_t b = b0; b < b1; b += vmax) {
     int V = (int)((b1 - b) < vmax ? (b1 - b) : vmax);
@@ -362,10 +364,10 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
   arows = arows < T ? arows : T;
   const int t0 = T - arows;
   ProfScope prof_adapter(1);
-  // u = x A^T for the adapter rows: the same column kernel on A (float32, LAYOUT_F32)
+  // u = x A^T for the adapter rows (float32 u): the same column kernel on A
   mtp_linear A;
   memset(&A, 0, sizeof A);
-  A.w = L->lora_a; A.n = L->rank; A.k = L->k; A.layout = LAYOUT_F32;
+  A.w = L->lora_a; A.n = L->rank; A.k = L->k; A.layout = L->lora_layout;
   const int64_t nbu = cdiv(L->rank, 16), ldu = nbu * 16;
   float* u = s_u.get((int64_t)arows * ldu);
 #pragma omp parallel num_threads(nt)
@@ -375,13 +377,13 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
     if (b0 < b1) gemm_blocks(&A, M->isa, arows, x + t0 * ldx, ldx, nullptr, 0, u, ldu, b0, b1);
   }
   // delta[t, j] = sum_r u[t, r] B[j, r] over the member's ranks only (no zero blocks), r in order: the same
-  // column kernel on B (packed [out_m, r_m], LAYOUT_F32)
+  // column kernel on B (packed [out_m, r_m])
   static thread_local Scratch s_d;
   for (int m = 0; m < L->members; m++) {
     const int o0 = L->m_out0[m], om = L->m_out1[m] - o0, r0 = L->m_r0[m], rr = L->m_r1[m] - r0;
     mtp_linear Bm;
     memset(&Bm, 0, sizeof Bm);
-    Bm.w = L->m_b[m]; Bm.n = om; Bm.k = rr; Bm.layout = LAYOUT_F32;
+    Bm.w = L->m_b[m]; Bm.n = om; Bm.k = rr; Bm.layout = L->lora_layout;
     const int64_t nbm = cdiv(om, 16), ldd = nbm * 16;
     float* d = s_d.get((int64_t)arows * ldd);
 #pragma omp parallel num_threads(nt)
@@ -650,4 +652,4 @@ extern "C" void mtp_linear_apply(const mtp_model* M, const mtp_linear* L, int32_
   linear(M, L, T, x, L->k, y, L->n, arows, nt);
 }
 
-extern "C" int32_t mtp_abi_version(void) { return 1; }
+extern "C" int32_t mtp_abi_version(void) { return 2; }
