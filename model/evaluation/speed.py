@@ -17,7 +17,10 @@ alternating, medians over repeats:
    tokens: a prefill / verify-like pass), ours with the adapter (1 real token + T-1 mask tokens:
    an MTP pass) and llama.cpp's call over T tokens (all logits), each with its ratio to our 1-token
    base pass.
-3. **Bandwidth**: the weight bytes a 1-token pass reads (every parameter once; an untied input
+3. **Row exactness**: for each width, how many rows of a pass are bit-identical to one-token passes of the
+   same tokens after the same cache (:mod:`model.engine.exactness`; what lossless verification rests on).
+   On our kernels the width curve also times the torch fast path (``MTP_KERNELS=off``) beside them.
+4. **Bandwidth**: the weight bytes a 1-token pass reads (every parameter once; an untied input
    embedding is not read whole) over the time of that pass, beside the device's measured read
    bandwidth (CPU: the sum of a 1 GiB tensor; CUDA: a 1 GiB device copy, read + write).
 
@@ -163,9 +166,54 @@ def run_one(lm: LoadedModel, method: str, strategy: Any, prompt_ids: list[int], 
 
 
 @torch.inference_mode()
+def torch_path_view(lm: LoadedModel) -> LoadedModel | None:
+    """A view of ``lm`` on the torch fast path (``MTP_KERNELS=off``: oneDNN / MKL / SDPA), to time beside our
+    kernels in one process; None when ``lm`` does not run on our kernels."""
+    from ..engine.loaded_model import _FastState
+
+    if not lm.forward_path.startswith("our kernels"):
+        return None
+    old = os.environ.get("MTP_KERNELS")
+    os.environ["MTP_KERNELS"] = "off"
+    try:
+        view = dataclasses.replace(lm, _fast=_FastState())
+        view.fast_engine()
+    finally:
+        if old is None:
+            os.environ.pop("MTP_KERNELS", None)
+        else:
+            os.environ["MTP_KERNELS"] = old
+    return view if view.fast_engine() is not None else None
+
+
+def row_exactness_report(lm: LoadedModel, widths: Sequence[int] = (2, 4, 8, 16), prompt: str = WIDTH_PROMPT
+                         ) -> list[dict] | None:
+    """Rows of a pass bit-identical to one-token passes (:func:`model.engine.exactness.row_exactness`), by
+    width: MTP passes (1 real token + masks, adapter on) and passes of real tokens. None off the fast path."""
+    from ..engine.exactness import row_exactness
+    from ..engine.kv_cache import KVCache
+
+    if not isinstance(lm.new_cache(), KVCache):
+        return None
+    ids = lm.prompt_ids(prompt)
+    real = [t for t in ids if t != lm.mask_token_id] or [0]
+    out = []
+    for t in widths:
+        if t < 2:
+            continue
+        mtp = row_exactness(lm, ids, [real[-1]] + [lm.mask_token_id] * (t - 1), num_masks=t - 1)
+        plain = row_exactness(lm, ids, (real * 64)[:t])
+        out.append({"width": t, "mtp_equal": mtp.equal, "real_equal": plain.equal,
+                    "max_abs_diff": max(mtp.max_abs_diff, plain.max_abs_diff)})
+    return out
+
+
 def width_curve(lm: LoadedModel, plain: LoadedModel, widths: Sequence[int] = DEFAULT_WIDTHS, repeats: int = 15,
-                prompt: str = WIDTH_PROMPT) -> dict:
+                prompt: str = WIDTH_PROMPT, before: LoadedModel | None = None) -> dict:
     """Milliseconds per forward pass by tokens fed, over a cached prompt (see the module docstring).
+
+    ``before``: a view of the same model on the torch fast path (:func:`torch_path_view`): its MTP pass is timed
+    beside ours (before / after our kernels, in one process).
 
     Returns:
         ``{"context_tokens", "widths", "rows": [{"name", "label", "ms": [median per width],
@@ -199,6 +247,17 @@ def width_curve(lm: LoadedModel, plain: LoadedModel, widths: Sequence[int] = DEF
     ]
     if lm.adapter is not None:
         methods.append(("ours_adapter", "ours + adapter (1 real + T-1 masks)", lambda t: ours(our_cache, t, True)))
+    if before is not None:
+        old_cache = before.new_cache()
+        before.forward(torch.tensor([ids], device=dev), old_cache, num_masks=0, logits_to_keep=1)
+
+        def old_pass(t: int) -> None:
+            m = t - 1 if lm.adapter is not None else 0
+            before.forward(tokens(t - m, m), old_cache, num_masks=m, logits_to_keep=t)
+            old_cache.crop(-t)
+
+        methods.append(("torch_path", "torch fast path (MTP_KERNELS=off), "
+                        + ("1 real + T-1 masks" if lm.adapter is not None else "T real"), old_pass))
     ms: dict[str, list[float]] = {name: [] for name, _, _ in methods}
     for t in widths:
         times: dict[str, list[float]] = {name: [] for name, _, _ in methods}
@@ -254,7 +313,7 @@ def bench(
     Returns:
         ``{"config", "methods": [{"method", "label", "tokens_per_second" (median), "runs",
         "ratio_to_hf", "effective_k", "forward_passes_per_second", "tokens", "forward_passes"}],
-        "standard_matches_hf", "verify_matches_standard", "width", "bandwidth"}``.
+        "standard_matches_hf", "verify_matches_standard", "width", "bandwidth", "row_exactness", "kernels"}``.
 
     Raises:
         ValueError: no prompts, repeats < 1, bad max_new_tokens, strategy or width.
@@ -315,7 +374,8 @@ def bench(
     std = outputs.get("standard")
     verify_specs = [s.spec for s in strategies if s.verifies]
 
-    width = width_curve(lm, plain, widths, width_repeats) if widths else None
+    width = width_curve(lm, plain, widths, width_repeats, before=torch_path_view(lm)) if widths else None
+    exactness = row_exactness_report(lm, [w for w in widths if w >= 2] or (2, 4, 8, 16))
     if width is not None and llama is not None:
         from .llama_cpp import LlamaCpp
 
@@ -353,7 +413,19 @@ def bench(
         "verify_matches_standard": {v: outputs[v] == std for v in verify_specs} if std is not None else {},
         "width": width,
         "bandwidth": bandwidth,
+        "row_exactness": exactness,
+        "kernels": _kernel_line(),
     }
+
+
+def _kernel_line() -> str:
+    """Which of our kernel paths this process runs, and why (``model.engine.kernels.status``)."""
+    from ..engine.kernels import KernelError, status
+
+    try:
+        return status().reason
+    except KernelError as e:
+        return str(e)
 
 
 def _share_equal(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]] | None) -> float | None:
@@ -431,6 +503,14 @@ def format_table(report: dict) -> str:
                 lines.append(f"bandwidth achieved, {label}: {b['pass_bytes'] / 1e6:.0f} MB of weights in "
                              f"{x['ms_per_pass']:.1f} ms = {x['bytes_per_second'] / 1e9:.1f} GB/s "
                              f"({x['fraction']:.0%} of measured)")
+    ex = report.get("row_exactness")
+    if ex:
+        lines.append("")
+        lines.append("rows of a T-token pass bit-identical to one-token passes of the same tokens after the same cache: "
+                     + ", ".join(f"T={e['width']}: MTP {e['mtp_equal']}/{e['width']}, real {e['real_equal']}/{e['width']}"
+                                 for e in ex))
+    if report.get("kernels"):
+        lines.append(f"kernels: {report['kernels']}")
     lb, la = c.get("load_average_before"), c.get("load_average_after")
     if lb:
         lines.append(f"load average (1/5/15 min) before {lb}, after {la}; cpu: {c.get('cpu')}")

@@ -7,7 +7,8 @@
 // many threads run (threads split output columns and (row, head) pairs, never a reduction).
 //
 // Paths (picked by the caller, one per process):
-//   ISA_AVX2       : AVX2 + FMA. bf16 weights are widened to float32 in registers; fp32 FMA.
+//   ISA_AVX2       : AVX2 + FMA. bf16 weights are widened to float32 in registers (a shift and a mask, no
+//                    shuffle: the packing interleaves two 8-column halves); fp32 FMA.
 //   ISA_AVX512BF16 : AVX512F/BW/VL + AVX512-BF16. bf16 weights and activations meet in vdpbf16ps (pairs of
 //                    products summed into float32); float32 weights use AVX512F FMA.
 // Attention, norms and element-wise work use AVX2 code on both paths.
@@ -135,8 +136,9 @@ extern "C" void mtp_pack_weight(const void* src, int32_t src_dtype, int32_t n, i
         float* d = (float*)dst + b * (int64_t)k * 16;
         for (int64_t j = 0; j < k; j++) d[j * 16 + c] = get(i, j);
       } else if (layout == LAYOUT_BF16) {
-        uint16_t* d = (uint16_t*)dst + b * (int64_t)k * 16;
-        for (int64_t j = 0; j < k; j++) d[j * 16 + c] = getraw16(i, j);
+        uint16_t* d = (uint16_t*)dst + b * (int64_t)k * 16;  // slot 2c (c < 8) or 2(c - 8) + 1
+        const int64_t slot = c < 8 ? 2 * c : 2 * (c - 8) + 1;
+        for (int64_t j = 0; j < k; j++) d[j * 16 + slot] = getraw16(i, j);
       } else {
         int64_t k2 = cdiv(k, 2);
         uint16_t* d = (uint16_t*)dst + b * k2 * 32;
@@ -159,12 +161,10 @@ TGT2 static void mk_avx2(const void* w, int64_t k, const float* x, int64_t ldx, 
   for (int64_t j = 0; j < k; j++) {
     __m256 wl[V], wh[V];
     for (int v = 0; v < V; v++) {
-      if (BF16) {
-        const uint16_t* p = (const uint16_t*)w + v * panel + j * 16;
-        __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
-        __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 8)));
-        wl[v] = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
-        wh[v] = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
+      if (BF16) {  // columns 0-7 in the low halves of the 32-bit slots, 8-15 in the high halves
+        const __m256i p = _mm256_loadu_si256((const __m256i*)((const uint16_t*)w + v * panel + j * 16));
+        wl[v] = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
+        wh[v] = _mm256_castsi256_ps(_mm256_and_si256(p, _mm256_set1_epi32((int)0xffff0000u)));
       } else {
         const float* p = (const float*)w + v * panel + j * 16;
         wl[v] = _mm256_loadu_ps(p);
@@ -217,7 +217,6 @@ TGT512 static void mk_512_bf16(const void* w, int64_t k2, const uint32_t* x, int
     __m512i wv[V];
     for (int v = 0; v < V; v++) {
       wv[v] = _mm512_loadu_si512((const void*)(wp + v * panel + j * 32));
-      _mm_prefetch((const char*)(wp + v * panel + j * 32) + 1024, _MM_HINT_T0);
     }
     for (int r = 0; r < R; r++) {
       __m512i xb = _mm512_set1_epi32((int)x[r * ldx + j]);
