@@ -36,3 +36,8 @@ class RequestError(ValueError):
 class Unsupported(Exception):
     """The fast forward path cannot run this model; the message says why (the library path runs
     instead). Not an error for the user: decoding goes on, only slower."""
+
+
+class KernelError(ValueError):
+    """A forced ``MTP_KERNELS`` path that cannot run here (an unknown value, instructions this CPU lacks, a failed
+    build); the message is one line naming why."""

@@ -280,6 +280,26 @@ def _base_linear(mod: Any) -> tuple[torch.nn.Linear, Any | None]:
     raise Unsupported(f"projection of type {type(mod).__name__} is not supported")
 
 
+def lora_factors(layer: Any | None, adapter: str | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(A [r, in], B [out, r] * scaling)`` of peft LoRA layer ``layer`` for ``adapter`` (detached), or None
+    when the projection has no such adapter.
+
+    Raises:
+        Unsupported: a merged adapter, DoRA, LoRA biases, or dropout in training mode.
+    """
+    if adapter is None or layer is None or adapter not in layer.lora_A:
+        return None
+    if getattr(layer, "merged", False):
+        raise Unsupported("the LoRA adapter is merged into the base weights")
+    if layer.use_dora.get(adapter, False):
+        raise Unsupported("DoRA adapters are not supported")
+    if getattr(layer, "lora_bias", {}).get(adapter, False):
+        raise Unsupported("LoRA biases are not supported")
+    if not isinstance(layer.lora_dropout[adapter], torch.nn.Identity) and layer.training:
+        raise Unsupported("LoRA dropout in training mode")
+    return layer.lora_A[adapter].weight.detach(), layer.lora_B[adapter].weight.detach() * layer.scaling[adapter]
+
+
 def _lora_delta(members: Sequence[tuple[Any | None, int]], adapter: str | None, dtype: torch.dtype,
                 pack: bool) -> LoraDelta | None:
     """The :class:`LoraDelta` of a projection group from its members' ``(peft LoRA layer or None,
@@ -288,18 +308,9 @@ def _lora_delta(members: Sequence[tuple[Any | None, int]], adapter: str | None, 
         return None
     parts, offset = [], 0
     for layer, out_f in members:
-        if layer is not None and adapter in layer.lora_A:
-            if getattr(layer, "merged", False):
-                raise Unsupported("the LoRA adapter is merged into the base weights")
-            if layer.use_dora.get(adapter, False):
-                raise Unsupported("DoRA adapters are not supported")
-            if getattr(layer, "lora_bias", {}).get(adapter, False):
-                raise Unsupported("LoRA biases are not supported")
-            if not isinstance(layer.lora_dropout[adapter], torch.nn.Identity) and layer.training:
-                raise Unsupported("LoRA dropout in training mode")
-            a = layer.lora_A[adapter].weight.detach()
-            b = layer.lora_B[adapter].weight.detach() * layer.scaling[adapter]
-            parts.append((a, b, offset))
+        factors = lora_factors(layer, adapter)
+        if factors is not None:
+            parts.append((*factors, offset))
         offset += out_f
     if not parts:
         return None

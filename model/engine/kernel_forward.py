@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..errors import Unsupported
 from . import kernels as K
-from .fast_weights import _base_linear, _plain, _token_override, check_supported, unwrap
+from .fast_weights import _base_linear, _plain, _token_override, check_supported, lora_factors, unwrap
 from .kv_cache import INITIAL_CAPACITY, KVCache
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -176,17 +176,9 @@ class KernelForward:
         out.bias = arena.f32(torch.cat([b.detach() for b in biases])) if biases[0] is not None else None
         members, offset, r0, a_parts = 0, 0, 0, []
         for lin, layer in mods:
-            if adapter is not None and layer is not None and adapter in layer.lora_A:
-                if getattr(layer, "merged", False):
-                    raise Unsupported("the LoRA adapter is merged into the base weights")
-                if layer.use_dora.get(adapter, False):
-                    raise Unsupported("DoRA adapters are not supported")
-                if getattr(layer, "lora_bias", {}).get(adapter, False):
-                    raise Unsupported("LoRA biases are not supported")
-                if not isinstance(layer.lora_dropout[adapter], torch.nn.Identity) and layer.training:
-                    raise Unsupported("LoRA dropout in training mode")
-                a = layer.lora_A[adapter].weight.detach().float()
-                b = layer.lora_B[adapter].weight.detach().float() * layer.scaling[adapter]
+            factors = lora_factors(layer, adapter)
+            if factors is not None:
+                a, b = factors[0].float(), factors[1].float()
                 a_parts.append(a)
                 out.m_out0[members], out.m_out1[members] = offset, offset + lin.out_features
                 out.m_r0[members], out.m_r1[members] = r0, r0 + a.shape[0]

@@ -32,6 +32,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...errors import KernelError
+
+__all__ = ["KernelError", "KernelStatus", "build", "choose_isa", "cpu_flags", "missing", "requested", "status"]
+
 ENV = "MTP_KERNELS"
 CHOICES = ("auto", "amx", "avx512bf16", "avx2", "off")
 SOURCE = Path(__file__).with_name("mtp_kernels.cpp")
@@ -44,10 +48,6 @@ NEEDS = {
     "amx": ("amx_tile", "amx_bf16"),
 }
 CFLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
-
-
-class KernelError(ValueError):
-    """A forced ``MTP_KERNELS`` path that cannot run here (the message is one line naming why)."""
 
 
 @functools.lru_cache(maxsize=None)
