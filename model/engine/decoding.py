@@ -502,13 +502,30 @@ class Decoder:
         """
         if self.done:
             raise StopIteration
-        lm, s, drafts = self.lm, self.strategy, self.drafts
-        layout = lay_out(self.pending, drafts, s, lm.mask_token_id)
+        lm = self.lm
+        layout = self.next_layout()
         sync(lm.device)
         t0 = time.perf_counter()
         ids = torch.tensor([layout.tokens], dtype=torch.long, device=lm.device)
         logits = lm.forward(ids, self.cache, num_masks=layout.num_masks, logits_to_keep=layout.logits_to_keep,
                             positions=layout.positions, visible=layout.visible)[0]
+        return self.finish_pass(layout, logits, t0)
+
+    def next_layout(self) -> PassLayout:
+        """What the next forward pass feeds (:class:`PassLayout`): the pending tokens, the drafts and the mask
+        blocks. A batch runner (:mod:`model.engine.batch`) feeds it with other sequences' rows, then calls
+        :meth:`finish_pass` with this sequence's logits."""
+        return lay_out(self.pending, self.drafts, self.strategy, self.lm.mask_token_id)
+
+    @torch.inference_mode()
+    def finish_pass(self, layout: PassLayout, logits: torch.Tensor, t0: float) -> PassRecord:
+        """Accept, trim and commit one pass from its logits (``[layout.logits_to_keep, V]``), the KV cache
+        already extended by the pass; ``t0``: ``time.perf_counter()`` when the pass started. Returns its record.
+
+        Raises:
+            NonFiniteLogitsError: the pass produced NaN / infinite logits (the decoder stops).
+        """
+        lm, s, drafts = self.lm, self.strategy, self.drafts
         try:
             greedy, conf = propose(logits, lm.mask_token_id)
         except NonFiniteLogitsError:

@@ -269,6 +269,83 @@ class KernelForward:
         return (logits if self.dtype == torch.float32 else logits.to(self.dtype))[None]
 
 
+    def forward_batch(self, items: Sequence[dict]) -> list[torch.Tensor]:
+        """One pass over the pending rows of several sequences: their rows concatenated, weights read once,
+        each row attending to its own sequence's KV cache and its own pass's rows only.
+
+        Each item is a dict with the arguments of :meth:`forward` for one sequence: ``input_ids`` ``[1, T_i]``,
+        ``cache`` (a :class:`KVCache` of this engine), ``adapter_rows``, ``logits_to_keep``, optional
+        ``positions`` and ``visible``. Every row computes what it would in :meth:`forward` alone, bit for bit
+        (the row exactness of our kernels), whatever the other sequences.
+
+        Returns:
+            One ``[1, logits_to_keep_i, V]`` logits tensor per item (model dtype); each cache extended by
+            ``T_i`` entries.
+
+        Raises:
+            ValueError: no items, or a cache of another engine; RuntimeError: the kernel refused the shapes.
+        """
+        if not items:
+            raise ValueError("forward_batch needs at least one sequence")
+        xs, coss, sins, adapter, keep, vis_bufs, caches = [], [], [], [], [], [], []
+        row0, poss, caps = [0], [], []
+        for it in items:
+            cache = it["cache"]
+            if not isinstance(cache, KVCache) or cache.engine is not self:
+                raise ValueError("forward_batch: every cache must come from this engine's new_cache()")
+            ids = it["input_ids"][0]
+            t, pos = int(ids.shape[0]), cache.length
+            cache.reserve(pos + t)
+            rows = min(it.get("adapter_rows", 0), t) if self.has_adapter else 0
+            table = self.adapter_embed if rows and self.adapter_embed is not None else self.embed
+            xs.append(F.embedding(ids, table).float())
+            positions = it.get("positions")
+            pid = torch.arange(pos, pos + t) if positions is None else torch.tensor(list(positions),
+                                                                                    dtype=torch.long) + pos
+            c, sn = self._rope(pid)
+            coss.append(c)
+            sins.append(sn)
+            adapter += [0] * (t - rows) + [1] * rows
+            k = it.get("logits_to_keep", 0)
+            k = min(k, t) if k else t
+            keep += range(row0[-1] + t - k, row0[-1] + t)
+            vis = it.get("visible")
+            vis_bufs.append(None if vis is None else vis.to(torch.bool).cpu().to(torch.uint8).contiguous())
+            row0.append(row0[-1] + t)
+            poss.append(pos)
+            caps.append(cache.capacity)
+            caches.append(cache)
+        n = len(items)
+        x = torch.cat(xs).contiguous()
+        cos, sin = torch.cat(coss).contiguous(), torch.cat(sins).contiguous()
+        L = self.num_layers
+        kp = (ctypes.c_void_p * (n * L))(*[k.data_ptr() for c in caches for k in c.k])
+        vp = (ctypes.c_void_p * (n * L))(*[v.data_ptr() for c in caches for v in c.v])
+        row0_a = (ctypes.c_int32 * (n + 1))(*row0)
+        pos_a, cap_a = (ctypes.c_int64 * n)(*poss), (ctypes.c_int64 * n)(*caps)
+        vis_a = (ctypes.c_void_p * n)(*[None if v is None else v.data_ptr() for v in vis_bufs])
+        ad_a = (ctypes.c_uint8 * len(adapter))(*adapter)
+        keep_a = (ctypes.c_int32 * len(keep))(*keep)
+        b = K.Batch(n, ctypes.addressof(row0_a), ctypes.addressof(kp), ctypes.addressof(vp), ctypes.addressof(cap_a),
+                    ctypes.addressof(pos_a), ctypes.addressof(vis_a),
+                    ctypes.addressof(ad_a) if any(adapter) else None, ctypes.addressof(keep_a), len(keep))
+        logits = torch.empty(len(keep), self.vocab, dtype=torch.float32)
+        rc = self.lib.mtp_forward_batch(ctypes.byref(self.m), x.data_ptr(), row0[-1], ctypes.byref(b), cos.data_ptr(),
+                                        sin.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"our kernels refused this batched pass (code {rc})")
+        out, start = [], 0
+        for i, it in enumerate(items):
+            caches[i].length = poss[i] + row0[i + 1] - row0[i]
+            k = it.get("logits_to_keep", 0)
+            t = row0[i + 1] - row0[i]
+            k = min(k, t) if k else t
+            part = logits[start:start + k]
+            out.append((part if self.dtype == torch.float32 else part.to(self.dtype))[None])
+            start += k
+        return out
+
+
 def build_kernel_engine(model: Any) -> KernelForward | None:
     """The kernel forward pass for ``model``, or None when ``MTP_KERNELS`` or the machine leaves ours off
     (:func:`model.engine.kernels.status` says why).

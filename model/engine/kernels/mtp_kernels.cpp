@@ -72,6 +72,21 @@ typedef struct {
   const int64_t* override_idx;
 } mtp_model;
 
+// The sequences of one pass: rows [row0[s], row0[s + 1]) belong to sequence s, which has its own KV cache
+// (per layer kcache[s * layers + l]), its own cached length pos[s] and its own visibility among its rows.
+typedef struct {
+  int32_t nseq;
+  const int32_t* row0;             // [nseq + 1]
+  void* const* kcache;             // [nseq * layers], each [kv_heads, cap[s], hd] in the dtype
+  void* const* vcache;
+  const int64_t* cap;              // [nseq]
+  const int64_t* pos;              // [nseq]
+  const uint8_t* const* visible;   // [nseq]: [T_s, T_s] or NULL (causal)
+  const uint8_t* adapter;          // [T]: 1 where the row gets the adapter's delta, or NULL (none)
+  const int32_t* keep;             // [nkeep] rows whose logits are returned, in that order
+  int32_t nkeep;
+} mtp_batch;
+
 }  // extern "C"
 
 // ------------------------------------------------------------------------------------------------ bf16
@@ -329,10 +344,10 @@ struct Scratch {
   ~Scratch() { free(p); }
 };
 
-// y[T, n] (row stride ldy) = x[T, k] W^T (+ bias), rounded to the dtype; then for the last `arows` rows the
-// adapter's delta is added (peft's order: base result in the dtype + float32 delta, rounded again).
+// y[T, n] (row stride ldy) = x[T, k] W^T (+ bias), rounded to the dtype; then the rows where amask is 1 get
+// the adapter's delta (peft's order: base result in the dtype + float32 delta, rounded again).
 static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* x, int64_t ldx, float* y,
-                   int64_t ldy, int arows, int nt) {
+                   int64_t ldy, const uint8_t* amask, int nt) {
   const int64_t n = L->n, k = L->k, nb = cdiv(n, 16), ldo = nb * 16;
   static thread_local Scratch s_out, s_xp, s_u;
   ProfScope prof_base(0);
@@ -359,10 +374,17 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
       if (L->bias) v += L->bias[j];
       y[t * ldy + j] = M->dtype == DT_BF16 ? round_bf16(v) : v;
     }
-  if (arows <= 0 || L->rank == 0) return;
-  arows = arows < T ? arows : T;
-  const int t0 = T - arows;
+  if (!amask || L->rank == 0) return;
+  static thread_local Scratch s_rows;
+  int arows = 0;
+  for (int t = 0; t < T; t++) arows += amask[t] ? 1 : 0;
+  if (arows == 0) return;
   ProfScope prof_adapter(1);
+  // the adapter rows gathered (a copy: the same bits as computing them in place)
+  float* xa = s_rows.get((int64_t)arows * k + 1);
+  int* rows = (int*)malloc(sizeof(int) * arows);
+  for (int t = 0, i = 0; t < T; t++)
+    if (amask[t]) { rows[i] = t; memcpy(xa + (int64_t)i * k, x + (int64_t)t * ldx, sizeof(float) * k); i++; }
   // u = x A^T for the adapter rows (float32 u): the same column kernel on A
   mtp_linear A;
   memset(&A, 0, sizeof A);
@@ -373,7 +395,7 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
   {
     int64_t b0, b1;
     share(nbu, omp_get_thread_num(), omp_get_num_threads(), &b0, &b1);
-    if (b0 < b1) gemm_blocks(&A, M->isa, arows, x + t0 * ldx, ldx, nullptr, 0, u, ldu, b0, b1);
+    if (b0 < b1) gemm_blocks(&A, M->isa, arows, xa, k, nullptr, 0, u, ldu, b0, b1);
   }
   // delta[t, j] = sum_r u[t, r] B[j, r] over the member's ranks only (no zero blocks), r in order: the same
   // column kernel on B (packed [out_m, r_m])
@@ -393,10 +415,11 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
     }
     for (int t = 0; t < arows; t++)
       for (int j = 0; j < om; j++) {
-        float* yv = y + (int64_t)(t0 + t) * ldy + o0 + j;
+        float* yv = y + (int64_t)rows[t] * ldy + o0 + j;
         *yv = M->dtype == DT_BF16 ? round_bf16(*yv + d[t * ldd + j]) : *yv + d[t * ldd + j];
       }
   }
+  free(rows);
 }
 
 // ------------------------------------------------------------------------------------------------ AVX2 math
@@ -512,14 +535,18 @@ static inline void kv_put(void* base, int dtype, int64_t i, float v) {
   else ((float*)base)[i] = v;
 }
 
-// Attention of query rows [T, heads * hd] over the cache (entries [0, pos + T) of kc / vc, each
-// [kv_heads, cap, hd]); row t sees every entry below pos and entry pos + u where visible[t * T + u] (NULL:
-// u <= t). Each (row, head) is one task: its keys in cache order, its softmax and its weighted sum in a fixed
+// Attention of query rows [T, heads * hd], each over its own sequence's cache (mtp_batch): row t of sequence
+// s (local index u0) sees every entry below pos[s] and entry pos[s] + u where visible[s][u0 * T_s + u] (NULL:
+// u <= u0). Each (row, head) is one task: its keys in cache order, its softmax and its weighted sum in a fixed
 // order; the result rounded to the dtype.
-TGT2 static void attention(const mtp_model* M, int T, const float* q, int64_t ldq, const void* kc, const void* vc,
-                           int64_t cap, int64_t pos, const uint8_t* visible, float* out, int64_t ldout, int nt) {
+TGT2 static void attention(const mtp_model* M, int T, const float* q, int64_t ldq, const mtp_batch* B, int layer,
+                           const int* row_seq, float* out, int64_t ldout, int nt) {
   const int H = M->heads, hd = M->head_dim, groups = M->heads / M->kv_heads, dtype = M->dtype;
-  const int64_t L = pos + T;
+  int64_t L = 0;
+  for (int s = 0; s < B->nseq; s++) {
+    const int64_t ls = B->pos[s] + B->row0[s + 1] - B->row0[s];
+    L = ls > L ? ls : L;
+  }
   ProfScope prof(2);
 #pragma omp parallel num_threads(nt)
   {
@@ -530,12 +557,17 @@ TGT2 static void attention(const mtp_model* M, int T, const float* q, int64_t ld
     int64_t* idx = (int64_t*)malloc(sizeof(int64_t) * (L + 1));
 #pragma omp for schedule(static)
     for (int task = 0; task < T * H; task++) {
-      const int t = task / H, h = task % H, g = h / groups;
+      const int t = task / H, h = task % H, g = h / groups, sq = row_seq[t];
+      const int r0 = B->row0[sq], Ts = B->row0[sq + 1] - r0, t0 = t - r0;
+      const int64_t pos = B->pos[sq], cap = B->cap[sq];
+      const uint8_t* visible = B->visible[sq];
+      const void* kc = B->kcache[(int64_t)sq * M->layers + layer];
+      const void* vc = B->vcache[(int64_t)sq * M->layers + layer];
       const float* qt = q + t * ldq + h * hd;
       int64_t n = 0;
       for (int64_t j = 0; j < pos; j++) idx[n++] = j;
-      for (int u = 0; u < T; u++)
-        if (visible ? visible[t * T + u] : (u <= t)) idx[n++] = pos + u;
+      for (int u = 0; u < Ts; u++)
+        if (visible ? visible[t0 * Ts + u] : (u <= t0)) idx[n++] = pos + u;
       const int64_t kbase = (int64_t)g * cap * hd;
       for (int64_t i = 0; i < n; i++) sc[i] = dot_kv(qt, kc, dtype, kbase + idx[i] * hd, hd, kf) * M->scaling;
       float m = -INFINITY;
@@ -585,28 +617,30 @@ TGT2 static void silu_mul(const float* gu, int64_t ld, int T, int inter, float* 
   }
 }
 
-extern "C" int mtp_forward(const mtp_model* M, float* x, int32_t T, int32_t arows, void* const* kcache,
-                           void* const* vcache, int64_t cap, int64_t pos, const float* cos, const float* sin_f,
-                           const uint8_t* visible, int32_t keep, float* logits, int32_t nt) {
-  // x: [T, hidden] the embeddings (float32 holding dtype values), updated in place to the last hidden state.
-  // kcache / vcache: per layer [kv_heads, cap, hd] in the dtype; entries pos .. pos + T written.
-  // cos / sin_f: [T, hd] (the rotary table's rows of the pass's positions, sin's first half negated).
-  // logits: [keep, head.n] float32 (rounded to the dtype) of the last `keep` rows.
+extern "C" int mtp_forward_batch(const mtp_model* M, float* x, int32_t T, const mtp_batch* B, const float* cos,
+                                 const float* sin_f, float* logits, int32_t nt) {
+  // x: [T, hidden] the embeddings of every sequence's rows (float32 holding dtype values), updated in place.
+  // cos / sin_f: [T, hd] (each row's rotary table row, sin's first half negated).
+  // logits: [B->nkeep, head.n] float32 (rounded to the dtype) of the rows B->keep.
   if (nt < 1) nt = 1;
   const int Hd = M->hidden, H = M->heads, KV = M->kv_heads, hd = M->head_dim, I = M->inter, dt = M->dtype;
-  if (hd > 512) return 1;
+  if (hd > 512 || B->nseq < 1 || B->row0[B->nseq] != T) return 1;
   const int64_t qkv_n = (int64_t)(H + 2 * KV) * hd;
-  static thread_local Scratch s_h, s_qkv, s_a, s_gu, s_act, s_o;
+  static thread_local Scratch s_h, s_qkv, s_a, s_gu, s_act, s_o, s_seq;
   float* h = s_h.get((int64_t)T * Hd);
   float* qkv = s_qkv.get((int64_t)T * qkv_n);
   float* a = s_a.get((int64_t)T * H * hd);
   float* gu = s_gu.get((int64_t)T * 2 * I);
   float* act = s_act.get((int64_t)T * I);
   float* o = s_o.get((int64_t)T * (Hd > I ? Hd : I));
+  int* row_seq = (int*)s_seq.get(T + 1);
+  for (int sq = 0; sq < B->nseq; sq++)
+    for (int t = B->row0[sq]; t < B->row0[sq + 1]; t++) row_seq[t] = sq;
+  const uint8_t* am = B->adapter;
   for (int li = 0; li < M->layers; li++) {
     const mtp_layer* Ly = &M->layer[li];
     for (int t = 0; t < T; t++) rms_norm_row(x + t * Hd, Ly->ln1, h + t * Hd, Hd, M->eps, dt);
-    linear(M, &Ly->qkv, T, h, Hd, qkv, qkv_n, arows, nt);
+    linear(M, &Ly->qkv, T, h, Hd, qkv, qkv_n, am, nt);
     for (int t = 0; t < T; t++) {
       float* row = qkv + t * qkv_n;
       for (int hh = 0; hh < H + KV; hh++) {
@@ -614,41 +648,72 @@ extern "C" int mtp_forward(const mtp_model* M, float* x, int32_t T, int32_t arow
         if (Ly->q_norm) rms_norm_row(v, hh < H ? Ly->q_norm : Ly->k_norm, v, hd, M->eps, dt);
         rotate(v, cos + t * hd, sin_f + t * hd, hd, dt);
       }
+      const int sq = row_seq[t];
+      void* kc = B->kcache[(int64_t)sq * M->layers + li];
+      void* vc = B->vcache[(int64_t)sq * M->layers + li];
+      const int64_t at0 = B->pos[sq] + t - B->row0[sq];
       for (int g = 0; g < KV; g++)
         for (int d = 0; d < hd; d++) {
-          const int64_t at = ((int64_t)g * cap + pos + t) * hd + d;
-          kv_put(kcache[li], dt, at, row[(H + g) * hd + d]);
-          kv_put(vcache[li], dt, at, row[(H + KV + g) * hd + d]);
+          const int64_t at = ((int64_t)g * B->cap[sq] + at0) * hd + d;
+          kv_put(kc, dt, at, row[(H + g) * hd + d]);
+          kv_put(vc, dt, at, row[(H + KV + g) * hd + d]);
         }
     }
-    attention(M, T, qkv, qkv_n, kcache[li], vcache[li], cap, pos, visible, a, (int64_t)H * hd, nt);
-    linear(M, &Ly->o, T, a, (int64_t)H * hd, o, Hd, arows, nt);
+    attention(M, T, qkv, qkv_n, B, li, row_seq, a, (int64_t)H * hd, nt);
+    linear(M, &Ly->o, T, a, (int64_t)H * hd, o, Hd, am, nt);
     for (int64_t i = 0; i < (int64_t)T * Hd; i++) x[i] = dt == DT_BF16 ? round_bf16(x[i] + o[i]) : x[i] + o[i];
     for (int t = 0; t < T; t++) rms_norm_row(x + t * Hd, Ly->ln2, h + t * Hd, Hd, M->eps, dt);
-    linear(M, &Ly->gate_up, T, h, Hd, gu, 2 * I, arows, nt);
+    linear(M, &Ly->gate_up, T, h, Hd, gu, 2 * I, am, nt);
     silu_mul(gu, 2 * I, T, I, act, dt);
-    linear(M, &Ly->down, T, act, I, o, Hd, arows, nt);
+    linear(M, &Ly->down, T, act, I, o, Hd, am, nt);
     for (int64_t i = 0; i < (int64_t)T * Hd; i++) x[i] = dt == DT_BF16 ? round_bf16(x[i] + o[i]) : x[i] + o[i];
   }
-  if (keep <= 0 || keep > T) keep = T;
-  const int t0 = T - keep;
-  for (int t = 0; t < keep; t++) rms_norm_row(x + (t0 + t) * Hd, M->norm, h + t * Hd, Hd, M->eps, dt);
+  const int keep = B->nkeep;
+  static thread_local Scratch s_km;
+  uint8_t* kmask = (uint8_t*)s_km.get(keep / 4 + 2);
+  for (int i = 0; i < keep; i++) {
+    const int t = B->keep[i];
+    if (t < 0 || t >= T) return 2;
+    rms_norm_row(x + t * Hd, M->norm, h + i * Hd, Hd, M->eps, dt);
+    kmask[i] = am ? am[t] : 0;
+  }
   const int64_t V = M->head.n;
-  linear(M, &M->head, keep, h, Hd, logits, V, 0, nt);
-  if (M->head_override.n > 0 && arows > 0) {  // peft's trained output rows, on the adapter rows only
-    const int ar = arows < keep ? arows : keep, n = M->head_override.n;
-    float* ov = s_o.get((int64_t)ar * n);
-    linear(M, &M->head_override, ar, h + (keep - ar) * Hd, Hd, ov, n, 0, nt);
-    for (int t = 0; t < ar; t++)
-      for (int j = 0; j < n; j++) logits[(int64_t)(keep - ar + t) * V + M->override_idx[j]] = ov[t * n + j];
+  linear(M, &M->head, keep, h, Hd, logits, V, nullptr, nt);
+  if (M->head_override.n > 0 && am) {  // peft's trained output rows, on the adapter rows only
+    const int n = M->head_override.n;
+    for (int i = 0; i < keep; i++) {
+      if (!kmask[i]) continue;
+      float* ov = s_o.get(n + 16);
+      linear(M, &M->head_override, 1, h + (int64_t)i * Hd, Hd, ov, n, nullptr, nt);
+      for (int j = 0; j < n; j++) logits[(int64_t)i * V + M->override_idx[j]] = ov[j];
+    }
   }
   return 0;
+}
+
+extern "C" int mtp_forward(const mtp_model* M, float* x, int32_t T, int32_t arows, void* const* kcache,
+                           void* const* vcache, int64_t cap, int64_t pos, const float* cos, const float* sin_f,
+                           const uint8_t* visible, int32_t keep, float* logits, int32_t nt) {
+  // One sequence: the last `arows` rows get the adapter, the last `keep` rows' logits are returned.
+  if (keep <= 0 || keep > T) keep = T;
+  int32_t row0[2] = {0, T};
+  static thread_local Scratch s_am, s_keep;
+  uint8_t* am = (uint8_t*)s_am.get(T / 4 + 2);
+  int32_t* kp = (int32_t*)s_keep.get(keep + 1);
+  for (int t = 0; t < T; t++) am[t] = t >= T - arows ? 1 : 0;
+  for (int i = 0; i < keep; i++) kp[i] = T - keep + i;
+  const uint8_t* vis[1] = {visible};
+  mtp_batch B = {1, row0, kcache, vcache, &cap, &pos, vis, arows > 0 ? am : nullptr, kp, keep};
+  return mtp_forward_batch(M, x, T, &B, cos, sin_f, logits, nt);
 }
 
 // For tests and the benchmark: y[T, n] = x W^T through the column kernel alone (rounded to the model dtype).
 extern "C" void mtp_linear_apply(const mtp_model* M, const mtp_linear* L, int32_t T, const float* x, float* y,
                                  int32_t arows, int32_t nt) {
-  linear(M, L, T, x, L->k, y, L->n, arows, nt);
+  uint8_t* am = (uint8_t*)malloc(T + 1);
+  for (int t = 0; t < T; t++) am[t] = t >= T - arows ? 1 : 0;
+  linear(M, L, T, x, L->k, y, L->n, arows > 0 ? am : nullptr, nt);
+  free(am);
 }
 
-extern "C" int32_t mtp_abi_version(void) { return 2; }
+extern "C" int32_t mtp_abi_version(void) { return 3; }
