@@ -3,6 +3,8 @@
     python -m model.bench --threads 1            # the embedded default, 3 GSM8K test prompts x 64 new tokens
     python -m model.bench --strategies standard,confadapt:0.9:4,verify:4 --data test.jsonl --prompts 5
     python -m model.bench --path library         # the same with the fast path off (transformers + peft)
+    python -m model.bench --concurrency 1,2,4,8 --strategies standard,confadapt:0.9:4,verify:4:full
+                                                 # N requests at once in shared passes (our CPU kernels)
 
 What is measured and how: :mod:`model.evaluation.speed`. ``--data`` takes any GSM8K-format JSONL.
 Bad arguments exit with status 2 and one ``error:`` line.
@@ -24,11 +26,11 @@ from .evaluation.gsm8k import load_problems, make_prompt
 from .evaluation.speed import DEFAULT_DATA, DEFAULT_STRATEGIES, DEFAULT_WIDTHS, bench, format_table
 
 
-def _widths(text: str) -> tuple[int, ...]:
+def _widths(text: str, flag: str = "--widths") -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise ValueError(f"--widths must be comma-separated integers, got {text!r}.") from None
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}.") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: the fast path where supported; library: transformers + peft only")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-adapter", action="store_true")
+    p.add_argument("--concurrency", default=None,
+                   help="comma-separated request counts: serve N requests at once in shared forward passes "
+                        "(model.engine.batch) instead of the single-request benchmark")
     p.add_argument("--json", default=None, help="also write the report to this JSON file")
     return p
 
@@ -71,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
             value = getattr(args, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be ≥ 1, got {value}.")
+        levels = _widths(args.concurrency, "--concurrency") if args.concurrency else None
+        if levels is not None and (not levels or any(n < 1 for n in levels)):
+            raise ValueError(f"--concurrency must be positive integers, got {args.concurrency!r}.")
         data = args.data or str(DEFAULT_DATA)
         prompts = [make_prompt(p["question"]) for p in load_problems(data, args.prompts)]
         if args.threads is not None:
@@ -83,6 +91,20 @@ def main(argv: list[str] | None = None) -> int:
         lm = dataclasses.replace(lm, fast=False)
     for note in lm.warnings:
         print(f"note: {note}", file=sys.stderr)
+    if levels is not None:
+        from .evaluation.concurrency import concurrency_bench, format_concurrency
+
+        try:
+            rows = concurrency_bench(lm, prompts, strategies, levels, max_new_tokens=args.max_new_tokens)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(format_concurrency(rows))
+        print(f"{lm.forward_path}; {torch.get_num_threads()} torch threads")
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps({"concurrency": rows, "forward_path": lm.forward_path}, indent=1))
+        return 0
     report = bench(lm, prompts, strategies, repeats=args.repeats, max_new_tokens=args.max_new_tokens,
                    widths=widths, width_repeats=args.width_repeats, measure_bandwidth=not args.no_bandwidth,
                    llama_cpp=not args.no_llama_cpp)

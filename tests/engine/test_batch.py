@@ -144,3 +144,14 @@ def test_refuses_a_model_off_our_kernels(base_tokenizer):
     m = wrap_model(make_tiny(tok, dtype=torch.float64), tok, source="tiny-llama")
     with pytest.raises(ValueError, match="need our CPU kernels"):
         BatchRunner(m)
+
+
+def test_concurrency_bench_on_the_tiny_model(lm):
+    from model.evaluation.concurrency import concurrency_bench, format_concurrency
+
+    rows = concurrency_bench(lm, PROMPTS[:3], [standard(), confadapt(0.3, 4)], [1, 3], max_new_tokens=8)
+    assert [(r["concurrency"], r["strategy"]) for r in rows] == [(1, "standard"), (1, "confadapt:0.3:4"),
+                                                                 (3, "standard"), (3, "confadapt:0.3:4")]
+    assert all(all(r["identical_to_solo"]) and r["aggregate_tokens_per_second"] > 0 for r in rows)
+    assert rows[2]["ratio_to_standard"] == 1.0 and rows[3]["rows_per_pass"] > rows[1]["rows_per_pass"]
+    assert "identical" in format_concurrency(rows)
