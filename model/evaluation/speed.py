@@ -256,8 +256,8 @@ def width_curve(lm: LoadedModel, plain: LoadedModel, widths: Sequence[int] = DEF
             before.forward(tokens(t - m, m), old_cache, num_masks=m, logits_to_keep=t)
             old_cache.crop(-t)
 
-        methods.append(("torch_path", "torch fast path (MTP_KERNELS=off), "
-                        + ("1 real + T-1 masks" if lm.adapter is not None else "T real"), old_pass))
+        methods.append(("torch_path", "torch path (off), "
+                        + ("1 real + T-1 masks" if lm.adapter is not None else "T real tokens"), old_pass))
     ms: dict[str, list[float]] = {name: [] for name, _, _ in methods}
     for t in widths:
         times: dict[str, list[float]] = {name: [] for name, _, _ in methods}

@@ -140,7 +140,8 @@ def build(quiet: bool = False) -> Path:
         return out
     cxx = compiler()
     if cxx is None:
-        raise KernelError("no C++ compiler (g++) on this machine: install build-essential to build our kernels")
+        name = os.environ.get("CXX") or "g++"
+        raise KernelError(f"no C++ compiler ({name}: not found): install g++ (or set CXX) to build our kernels")
     out.parent.mkdir(parents=True, exist_ok=True)
     if not quiet:
         print(f"mtp kernels: compiling {SOURCE.name} once into {out.parent} (~5 s)", file=sys.stderr, flush=True)
@@ -255,6 +256,6 @@ def status() -> KernelStatus:
             if value != "auto":
                 raise KernelError(f"{ENV}={value}: {e}") from e
             st = KernelStatus(None, f"our kernels unavailable: {e}")
-            print(f"mtp kernels: {st.reason}; the library path runs", file=sys.stderr, flush=True)
+            print(f"mtp kernels: {st.reason}; the torch path runs", file=sys.stderr, flush=True)
     _STATUS[key] = st
     return st
