@@ -188,7 +188,7 @@ def header_html() -> str:
         "et al., <i>Multi-Token Prediction via Self-Distillation</i></a>). <b>ConfAdapt</b> always keeps the first "
         "proposal (the model's ordinary next token) and then the following ones while their confidence is at least "
         "tau; <b>lossless</b> verification keeps only proposals the model itself confirms, so its answer equals "
-        "standard decoding's (to the bit in float32).</p><p class=\"mtp-wide\">Each message is answered twice: standard decoding on the left, "
+        "standard decoding's (to the bit on our CPU kernels, in bf16 as in float32).</p><p class=\"mtp-wide\">Each message is answered twice: standard decoding on the left, "
         "MTP on the right, their forward passes alternating on one worker so that each is timed alone.</p></div>")
 
 
