@@ -155,3 +155,20 @@ def test_concurrency_bench_on_the_tiny_model(lm):
     assert all(all(r["identical_to_solo"]) and r["aggregate_tokens_per_second"] > 0 for r in rows)
     assert rows[2]["ratio_to_standard"] == 1.0 and rows[3]["rows_per_pass"] > rows[1]["rows_per_pass"]
     assert "identical" in format_concurrency(rows)
+
+
+def test_sixteen_requests_at_once_equal_solo(lm):
+    """16 concurrent requests of four strategies (caps admit 8 at a time, the rest queue): none errors, none
+    crosses another, each equals its solo run."""
+    specs = [(PROMPTS[i % len(PROMPTS)], STRATEGIES[i % 4], 6 + i % 5) for i in range(16)]
+    want = {}
+    for p, s, n in specs:
+        want.setdefault((p, s.spec, n), _solo(lm, p, s, n))
+    runner = BatchRunner(lm, max_rows=128, max_sessions=8)
+    decs = [Decoder(lm, lm.prompt_ids(p), s, n) for p, s, n in specs]
+    for d in decs:
+        runner.add(d)
+    steps = runner.run()
+    assert not runner.errors and max(len(r.records) for r in steps) == 8
+    for d, (p, s, n) in zip(decs, specs):
+        assert _signature(d) == want[(p, s.spec, n)]
