@@ -38,6 +38,38 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_folded: torch.Tensor) -> torc
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_folded
 
 
+class RotaryTable:
+    """The rotary embedding's ``cos`` and sign-folded ``sin`` by position, from a table that the model's own
+    rotary module computes once for positions 0 .. n (grown by doubling, capped at the model's positions: the
+    same bits as a call per pass). Shared by the torch fast path and our kernels' pass.
+
+    Args:
+        rotary: the model's rotary module (``model.model.rotary_emb``).
+        head_dim, dtype, device: of the queries and keys.
+        max_positions: the model's ``max_position_embeddings`` (None: no cap).
+    """
+
+    def __init__(self, rotary, head_dim: int, dtype: torch.dtype, device: torch.device, max_positions: int | None):
+        self.rotary, self.head_dim, self.dtype, self.device = rotary, head_dim, dtype, device
+        self.max_positions = max_positions
+        self._cos = self._sin = None
+
+    def __call__(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin')`` ``[T, head_dim]`` in the dtype for ``position_ids`` ``[T]``; ``sin'`` has its first half
+        negated (:func:`rotate`)."""
+        end = int(position_ids.max()) + 1
+        if self._cos is None or end > self._cos.shape[0]:
+            n = max(end, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
+            if self.max_positions:
+                n = max(end, min(n, self.max_positions))
+            probe = torch.empty(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
+            cos, sin = self.rotary(probe, torch.arange(n, device=self.device)[None])
+            half = self.head_dim // 2
+            self._cos = cos[0].contiguous()
+            self._sin = torch.cat((-sin[0][:, :half], sin[0][:, half:]), -1).contiguous()
+        return self._cos[position_ids], self._sin[position_ids]
+
+
 class FastForward:
     """The compact forward pass of one packed model (built by :func:`build_engine`).
 
@@ -53,24 +85,16 @@ class FastForward:
         self.adapter_kind = weights.adapter_kind
         self.packed = weights.packed
         self.has_adapter = weights.has_adapter
-        self._cos = self._sin = None  # rotary table by position (see _rope)
+        self._table: RotaryTable | None = None  # rotary table by position (see _rope)
 
     def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[T, 1, head_dim]`` of the given positions, from a table that the model's own
-        rotary module computes once for positions 0 .. n (grown by doubling: the same bits as a call per
-        pass). ``sin`` is sign-folded for :func:`rotate` (its first half negated)."""
-        end = int(position_ids.max()) + 1
-        if self._cos is None or end > self._cos.shape[0]:
+        """``(cos, sin)`` ``[T, 1, head_dim]`` of the given positions (:class:`RotaryTable`), ``sin``
+        sign-folded for :func:`rotate`."""
+        if self._table is None:
             w = self.weights
-            n = max(end, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
-            if w.max_positions:
-                n = max(end, min(n, w.max_positions))
-            probe = torch.empty(1, 1, w.head_dim, dtype=self.dtype, device=self.device)
-            cos, sin = w.rotary(probe, torch.arange(n, device=self.device)[None])
-            half = w.head_dim // 2
-            self._cos = cos[0][:, None].contiguous()
-            self._sin = torch.cat((-sin[0][:, None, :half], sin[0][:, None, half:]), -1).contiguous()
-        return self._cos[position_ids], self._sin[position_ids]
+            self._table = RotaryTable(w.rotary, w.head_dim, self.dtype, self.device, w.max_positions)
+        cos, sin = self._table(position_ids)
+        return cos[:, None], sin[:, None]
 
     def new_cache(self, capacity: int = INITIAL_CAPACITY) -> KVCache:
         """An empty :class:`~model.engine.kv_cache.KVCache` for this model."""

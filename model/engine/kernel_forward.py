@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from ..errors import Unsupported
 from . import kernels as K
 from .fast_weights import _base_linear, _plain, _token_override, check_supported, lora_factors, unwrap
+from .fast_forward import RotaryTable
 from .kv_cache import INITIAL_CAPACITY, KVCache
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -97,8 +98,7 @@ class KernelForward:
             raise Unsupported(f"head_dim {hd}")
         self.kv_heads, self.head_dim, self.num_layers = kv, hd, len(inner.layers)
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
-        self.rotary = inner.rotary_emb
-        self._cos = self._sin = None
+        self.rotary_table = RotaryTable(inner.rotary_emb, hd, dtype, device, self.max_positions)
         self.layout = 0 if dtype == torch.float32 else (2 if isa == "avx512bf16" else 1)
         # The adapter's factors of a bf16 model are stored in bf16 and multiplied in float32 (u = x A^T stays
         # float32): half the 39 MB a mask pass reads in float32 (SmolLM2, rank 32: 3.7 -> 2.5 ms for one mask
@@ -192,21 +192,10 @@ class KernelForward:
             out.lora_layout = self.factor_layout
         return members
 
-    # ------------------------------------------------------------------ rotary table
     def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin')`` float32 ``[T, head_dim]`` of the positions from the model's own rotary module (a table
-        grown by doubling), ``sin'`` with its first half negated."""
-        end = int(position_ids.max()) + 1
-        if self._cos is None or end > self._cos.shape[0]:
-            n = max(end, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
-            if self.max_positions:
-                n = max(end, min(n, self.max_positions))
-            probe = torch.empty(1, 1, self.head_dim, dtype=self.dtype)
-            cos, sin = self.rotary(probe, torch.arange(n)[None])
-            half = self.head_dim // 2
-            self._cos = cos[0].float().contiguous()
-            self._sin = torch.cat((-sin[0][:, :half], sin[0][:, half:]), -1).float().contiguous()
-        return self._cos[position_ids].contiguous(), self._sin[position_ids].contiguous()
+        """``(cos, sin')`` float32 ``[T, head_dim]`` of the positions (:class:`~model.engine.fast_forward.RotaryTable`)."""
+        cos, sin = self.rotary_table(position_ids)
+        return cos.float(), sin.float()
 
     def new_cache(self, capacity: int = INITIAL_CAPACITY) -> KVCache:
         """An empty :class:`~model.engine.kv_cache.KVCache` for this model."""
@@ -224,50 +213,15 @@ class KernelForward:
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, adapter_rows: int, logits_to_keep: int,
                 positions: Sequence[int] | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
-        """One pass over ``input_ids`` appended to ``cache`` (the contract of
-        :meth:`model.engine.fast_forward.FastForward.forward`).
-
-        Args:
-            input_ids: ``[1, T]`` token ids.
-            cache: a :class:`KVCache` from :meth:`new_cache`; extended by ``T`` entries in input order.
-            adapter_rows: how many trailing rows get the adapter's delta (0: the base model).
-            logits_to_keep: trailing positions to return logits for (0: all).
-            positions: each input's position offset after the cache (None: ``0 .. T-1``).
-            visible: ``[T, T]`` bool, which inputs each input attends to besides the cache (None: causal).
-
-        Returns:
-            ``[1, logits_to_keep, V]`` logits in the model's dtype.
+        """One pass over ``input_ids`` ``[1, T]`` appended to ``cache``: the arguments and result of
+        :meth:`model.engine.fast_forward.FastForward.forward` (``[1, logits_to_keep, V]`` logits in the model's
+        dtype), run as a batch of one sequence (:meth:`forward_batch`).
 
         Raises:
             RuntimeError: the kernel refused the shapes.
         """
-        ids = input_ids[0]
-        t, pos = int(ids.shape[0]), cache.length
-        end = pos + t
-        cache.reserve(end)
-        rows = min(adapter_rows, t) if self.has_adapter else 0
-        table = self.adapter_embed if rows and self.adapter_embed is not None else self.embed
-        x = F.embedding(ids, table).float().contiguous()
-        if positions is None:
-            position_ids = torch.arange(pos, end)
-        else:
-            position_ids = torch.tensor(list(positions), dtype=torch.long) + pos
-        cos, sin = self._rope(position_ids)
-        vis = None
-        if visible is not None:
-            vis = visible.to(torch.bool).cpu().to(torch.uint8).contiguous()
-        keep = min(logits_to_keep, t) if logits_to_keep else t
-        logits = torch.empty(keep, self.vocab, dtype=torch.float32)
-        kp = (ctypes.c_void_p * self.num_layers)(*[k.data_ptr() for k in cache.k])
-        vp = (ctypes.c_void_p * self.num_layers)(*[v.data_ptr() for v in cache.v])
-        rc = self.lib.mtp_forward(ctypes.byref(self.m), x.data_ptr(), t, rows, kp, vp, cache.capacity, pos,
-                                  cos.data_ptr(), sin.data_ptr(), None if vis is None else vis.data_ptr(), keep,
-                                  logits.data_ptr(), torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"our kernels refused this pass (code {rc})")
-        cache.length = end
-        return (logits if self.dtype == torch.float32 else logits.to(self.dtype))[None]
-
+        return self.forward_batch([{"input_ids": input_ids, "cache": cache, "adapter_rows": adapter_rows,
+                                    "logits_to_keep": logits_to_keep, "positions": positions, "visible": visible}])[0]
 
     def forward_batch(self, items: Sequence[dict]) -> list[torch.Tensor]:
         """One pass over the pending rows of several sequences: their rows concatenated, weights read once,
@@ -287,7 +241,7 @@ class KernelForward:
         """
         if not items:
             raise ValueError("forward_batch needs at least one sequence")
-        xs, coss, sins, adapter, keep, vis_bufs, caches = [], [], [], [], [], [], []
+        xs, coss, sins, adapter, keep, kept, vis_bufs, caches = [], [], [], [], [], [], [], []
         row0, poss, caps = [0], [], []
         for it in items:
             cache = it["cache"]
@@ -308,6 +262,7 @@ class KernelForward:
             adapter += [0] * (t - rows) + [1] * rows
             k = it.get("logits_to_keep", 0)
             k = min(k, t) if k else t
+            kept.append(k)
             keep += range(row0[-1] + t - k, row0[-1] + t)
             vis = it.get("visible")
             vis_bufs.append(None if vis is None else vis.to(torch.bool).cpu().to(torch.uint8).contiguous())
@@ -335,11 +290,8 @@ class KernelForward:
         if rc != 0:
             raise RuntimeError(f"our kernels refused this batched pass (code {rc})")
         out, start = [], 0
-        for i, it in enumerate(items):
+        for i, k in enumerate(kept):
             caches[i].length = poss[i] + row0[i + 1] - row0[i]
-            k = it.get("logits_to_keep", 0)
-            t = row0[i + 1] - row0[i]
-            k = min(k, t) if k else t
             part = logits[start:start + k]
             out.append((part if self.dtype == torch.float32 else part.to(self.dtype))[None])
             start += k

@@ -39,7 +39,7 @@ __all__ = ["KernelError", "KernelStatus", "build", "choose_isa", "cpu_flags", "m
 ENV = "MTP_KERNELS"
 CHOICES = ("auto", "amx", "avx512bf16", "avx2", "off")
 SOURCE = Path(__file__).with_name("mtp_kernels.cpp")
-ABI_VERSION = 3
+ABI_VERSION = 4
 ISA_CODES = {"avx2": 1, "avx512bf16": 2}
 #: CPU flags (``/proc/cpuinfo``) each path needs.
 NEEDS = {
@@ -203,13 +203,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mtp_free.argtypes, lib.mtp_free.restype = [vp], None
     lib.mtp_packed_bytes.argtypes, lib.mtp_packed_bytes.restype = [i32, i32, i32], i64
     lib.mtp_pack_weight.argtypes, lib.mtp_pack_weight.restype = [vp, i32, i32, i32, i32, vp], None
-    lib.mtp_forward.argtypes = [ctypes.POINTER(Model), vp, i32, i32, vp, vp, i64, i64, vp, vp, vp, i32, vp, i32]
-    lib.mtp_forward.restype = ctypes.c_int
     lib.mtp_forward_batch.argtypes = [ctypes.POINTER(Model), vp, i32, ctypes.POINTER(Batch), vp, vp, vp, i32]
     lib.mtp_forward_batch.restype = ctypes.c_int
-    lib.mtp_linear_apply.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Linear), i32, vp, vp, i32, i32]
-    lib.mtp_linear_apply.restype = None
-    lib.mtp_profile.argtypes, lib.mtp_profile.restype = [i32, ctypes.POINTER(ctypes.c_double)], None
     return lib
 
 

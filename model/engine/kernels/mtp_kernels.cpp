@@ -315,20 +315,6 @@ static inline void share(int64_t nb, int tid, int nt, int64_t* b0, int64_t* b1) 
   *b1 = u1 * 4 < nb ? u1 * 4 : nb;
 }
 
-// Seconds spent by category since the last reset (mtp_profile): projections, adapter, attention, the rest.
-static double g_prof[4];
-static int g_profiling = 0;
-struct ProfScope {
-  int cat; double t0;
-  explicit ProfScope(int c) : cat(c), t0(g_profiling ? omp_get_wtime() : 0) {}
-  ~ProfScope() { if (g_profiling) g_prof[cat] += omp_get_wtime() - t0; }
-};
-extern "C" void mtp_profile(int32_t enable, double* out) {
-  if (out) for (int i = 0; i < 4; i++) out[i] = g_prof[i];
-  for (int i = 0; i < 4; i++) g_prof[i] = 0;
-  g_profiling = enable;
-}
-
 // Per-thread scratch (grows, never shrinks).
 struct Scratch {
   float* p = nullptr;
@@ -350,7 +336,6 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
                    int64_t ldy, const uint8_t* amask, int nt) {
   const int64_t n = L->n, k = L->k, nb = cdiv(n, 16), ldo = nb * 16;
   static thread_local Scratch s_out, s_xp, s_u;
-  ProfScope prof_base(0);
   float* out = (ldy == ldo) ? y : s_out.get((int64_t)T * ldo);
   uint32_t* xp = nullptr;
   int64_t ldxp = cdiv(k, 2);
@@ -379,7 +364,6 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
   int arows = 0;
   for (int t = 0; t < T; t++) arows += amask[t] ? 1 : 0;
   if (arows == 0) return;
-  ProfScope prof_adapter(1);
   // the adapter rows gathered (a copy: the same bits as computing them in place)
   float* xa = s_rows.get((int64_t)arows * k + 1);
   int* rows = (int*)malloc(sizeof(int) * arows);
@@ -481,7 +465,7 @@ TGT2 static float dot_lanes(const float* a, const float* b, int64_t n) {
 }
 
 // The dot product of q with one cached key (bf16 or float32 entries): the lanes and order of dot_lanes.
-TGT2 static float dot_kv(const float* q, const void* kc, int dtype, int64_t off, int hd, float* tmp) {
+TGT2 static float dot_kv(const float* q, const void* kc, int dtype, int64_t off, int hd) {
   if (dtype != DT_BF16) return dot_lanes(q, (const float*)kc + off, hd);
   const uint16_t* k = (const uint16_t*)kc + off;
   __m256 acc = _mm256_setzero_ps();
@@ -494,7 +478,6 @@ TGT2 static float dot_kv(const float* q, const void* kc, int dtype, int64_t off,
   for (int j = d; j < hd; j++) { ta[j - d] = q[j]; tb[j - d] = bf16_to_f32(k[j]); }
   acc = _mm256_fmadd_ps(_mm256_loadu_ps(ta), _mm256_loadu_ps(tb), acc);
   _mm256_storeu_ps(ta, acc);
-  (void)tmp;
   return ((ta[0] + ta[1]) + (ta[2] + ta[3])) + ((ta[4] + ta[5]) + (ta[6] + ta[7]));
 }
 
@@ -547,12 +530,10 @@ TGT2 static void attention(const mtp_model* M, int T, const float* q, int64_t ld
     const int64_t ls = B->pos[s] + B->row0[s + 1] - B->row0[s];
     L = ls > L ? ls : L;
   }
-  ProfScope prof(2);
 #pragma omp parallel num_threads(nt)
   {
-    static thread_local Scratch s_sc, s_k, s_acc;
+    static thread_local Scratch s_sc, s_acc;
     float* sc = s_sc.get(L + 8);
-    float* kf = s_k.get(hd + 8);
     float* acc = s_acc.get(hd + 8);
     int64_t* idx = (int64_t*)malloc(sizeof(int64_t) * (L + 1));
 #pragma omp for schedule(static)
@@ -569,7 +550,7 @@ TGT2 static void attention(const mtp_model* M, int T, const float* q, int64_t ld
       for (int u = 0; u < Ts; u++)
         if (visible ? visible[t0 * Ts + u] : (u <= t0)) idx[n++] = pos + u;
       const int64_t kbase = (int64_t)g * cap * hd;
-      for (int64_t i = 0; i < n; i++) sc[i] = dot_kv(qt, kc, dtype, kbase + idx[i] * hd, hd, kf) * M->scaling;
+      for (int64_t i = 0; i < n; i++) sc[i] = dot_kv(qt, kc, dtype, kbase + idx[i] * hd, hd) * M->scaling;
       float m = -INFINITY;
       for (int64_t i = 0; i < n; i++) m = sc[i] > m ? sc[i] : m;
       for (int64_t i = 0; i < n; i++) sc[i] -= m;
@@ -691,29 +672,4 @@ extern "C" int mtp_forward_batch(const mtp_model* M, float* x, int32_t T, const 
   return 0;
 }
 
-extern "C" int mtp_forward(const mtp_model* M, float* x, int32_t T, int32_t arows, void* const* kcache,
-                           void* const* vcache, int64_t cap, int64_t pos, const float* cos, const float* sin_f,
-                           const uint8_t* visible, int32_t keep, float* logits, int32_t nt) {
-  // One sequence: the last `arows` rows get the adapter, the last `keep` rows' logits are returned.
-  if (keep <= 0 || keep > T) keep = T;
-  int32_t row0[2] = {0, T};
-  static thread_local Scratch s_am, s_keep;
-  uint8_t* am = (uint8_t*)s_am.get(T / 4 + 2);
-  int32_t* kp = (int32_t*)s_keep.get(keep + 1);
-  for (int t = 0; t < T; t++) am[t] = t >= T - arows ? 1 : 0;
-  for (int i = 0; i < keep; i++) kp[i] = T - keep + i;
-  const uint8_t* vis[1] = {visible};
-  mtp_batch B = {1, row0, kcache, vcache, &cap, &pos, vis, arows > 0 ? am : nullptr, kp, keep};
-  return mtp_forward_batch(M, x, T, &B, cos, sin_f, logits, nt);
-}
-
-// For tests and the benchmark: y[T, n] = x W^T through the column kernel alone (rounded to the model dtype).
-extern "C" void mtp_linear_apply(const mtp_model* M, const mtp_linear* L, int32_t T, const float* x, float* y,
-                                 int32_t arows, int32_t nt) {
-  uint8_t* am = (uint8_t*)malloc(T + 1);
-  for (int t = 0; t < T; t++) am[t] = t >= T - arows ? 1 : 0;
-  linear(M, L, T, x, L->k, y, L->n, arows > 0 ? am : nullptr, nt);
-  free(am);
-}
-
-extern "C" int32_t mtp_abi_version(void) { return 3; }
+extern "C" int32_t mtp_abi_version(void) { return 4; }
