@@ -133,10 +133,6 @@ def _cgroup_room() -> int | None:
     return None
 
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-                "F8_E4M3": 1, "F8_E5M2": 1}
-
-
 def _safetensors_params(path: Path) -> int:
     """Parameters in a safetensors file, from its header alone."""
     with path.open("rb") as f:

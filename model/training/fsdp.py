@@ -76,13 +76,6 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def is_sharded(model: Any) -> bool:
-    """True for a module :func:`shard` has wrapped."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
 def as_float(x: Any) -> float:
     """A scalar tensor, DTensor (e.g. the gradient norm of sharded parameters) or number as a float."""
     if hasattr(x, "full_tensor"):
