@@ -3,8 +3,10 @@
     python -m model.bench --threads 1            # the embedded default, 3 GSM8K test prompts x 64 new tokens
     python -m model.bench --strategies standard,confadapt:0.9:4,verify:4 --data test.jsonl --prompts 5
     python -m model.bench --path library         # the same with the fast path off (transformers + peft)
-    python -m model.bench --concurrency 1,2,4,8 --strategies standard,confadapt:0.9:4,verify:4:full
-                                                 # N requests at once in shared passes (our CPU kernels)
+    python -m model.bench --concurrency 1,2,4,8,16 --strategies standard,confadapt:0.9:4,verify:4:full \
+        --arrivals together,staggered --json runs/concurrency.json
+                                                 # N requests in shared passes (our CPU kernels), arriving
+                                                 # together, then one more after each shared pass
 
 What is measured and how: :mod:`model.evaluation.speed`. ``--data`` takes any GSM8K-format JSONL.
 Bad arguments exit with status 2 and one ``error:`` line.
@@ -58,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", default=None,
                    help="comma-separated request counts: serve N requests at once in shared forward passes "
                         "(model.engine.batch) instead of the single-request benchmark")
+    p.add_argument("--arrivals", default="together",
+                   help="with --concurrency, comma-separated arrival modes: 'together' (all N requests there "
+                        "before the first shared pass) and/or 'staggered' (request i arrives after i shared "
+                        "passes, its prefill joining pass i beside the others' decoding rows)")
+    p.add_argument("--max-rows", type=int, default=256,
+                   help="with --concurrency, most rows in one shared pass (wider passes wait for the next)")
     p.add_argument("--json", default=None, help="also write the report to this JSON file")
     return p
 
@@ -72,13 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         widths = _widths(args.widths)
         if any(not 1 <= w <= 64 for w in widths):
             raise ValueError(f"--widths must be from 1 to 64, got {args.widths!r}.")
-        for name in ("prompts", "repeats", "width_repeats", "threads"):
+        for name in ("prompts", "repeats", "width_repeats", "threads", "max_rows"):
             value = getattr(args, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be ≥ 1, got {value}.")
         levels = _widths(args.concurrency, "--concurrency") if args.concurrency else None
         if levels is not None and (not levels or any(n < 1 for n in levels)):
             raise ValueError(f"--concurrency must be positive integers, got {args.concurrency!r}.")
+        arrivals = [a.strip() for a in args.arrivals.split(",") if a.strip()]
+        if not arrivals or any(a not in ("together", "staggered") for a in arrivals):
+            raise ValueError(f"--arrivals must be together and/or staggered, got {args.arrivals!r}.")
         data = args.data or str(DEFAULT_DATA)
         prompts = [make_prompt(p["question"]) for p in load_problems(data, args.prompts)]
         if args.threads is not None:
@@ -92,18 +103,27 @@ def main(argv: list[str] | None = None) -> int:
     for note in lm.warnings:
         print(f"note: {note}", file=sys.stderr)
     if levels is not None:
-        from .evaluation.concurrency import concurrency_bench, format_concurrency
+        from .evaluation.concurrency import (concurrency_bench, concurrency_report, dumps_strict,
+                                             format_concurrency, format_ratios)
 
         try:
-            rows = concurrency_bench(lm, prompts, strategies, levels, max_new_tokens=args.max_new_tokens)
+            rows = concurrency_bench(lm, prompts, strategies, levels, max_new_tokens=args.max_new_tokens,
+                                     max_rows=args.max_rows, arrivals=arrivals)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         print(format_concurrency(rows))
+        print()
+        print(format_ratios(rows))
         print(f"{lm.forward_path}; {torch.get_num_threads()} torch threads")
         if args.json:
+            report = concurrency_report(
+                rows, model=args.model, adapter=not args.no_adapter, dtype=str(lm.dtype).removeprefix("torch."),
+                forward_path=lm.forward_path, threads=torch.get_num_threads(), prompts=len(prompts),
+                max_new_tokens=args.max_new_tokens, max_rows=args.max_rows, levels=list(levels),
+                arrivals=arrivals, strategies=[s.spec for s in strategies])
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps({"concurrency": rows, "forward_path": lm.forward_path}, indent=1))
+            Path(args.json).write_text(dumps_strict(report))
         return 0
     report = bench(lm, prompts, strategies, repeats=args.repeats, max_new_tokens=args.max_new_tokens,
                    widths=widths, width_repeats=args.width_repeats, measure_bandwidth=not args.no_bandwidth,

@@ -1,14 +1,25 @@
-"""Concurrency benchmark: N requests arriving together, served by one :class:`~model.engine.batch.BatchRunner`
-(shared forward passes) against the same requests one by one.
+"""Concurrency benchmark: N requests served by one :class:`~model.engine.batch.BatchRunner` (shared forward
+passes), each checked against the same request run alone.
 
-For each concurrency level and strategy: the aggregate tokens/s (all requests' new tokens over the wall-clock
-seconds from the first pass to the last), the median per-request tokens/s (its tokens over the seconds until it
-finished), rows per shared pass, the ratio to standard decoding at the same level, and whether every request's
-tokens equal its solo run (``identical_to_solo``). Requests use distinct prompts (cycled from the data).
+Two arrival modes (``arrivals``):
+
+* ``together``: all N requests are there before the first shared pass.
+* ``staggered``: request ``i`` (0-based) arrives after ``i`` shared passes, i.e. just before pass ``i``; its
+  prefill joins that pass beside the earlier requests' decoding rows. Should every request that arrived be
+  done before the next one is due, the next one arrives at once (no empty passes are counted).
+
+For each concurrency level, arrival mode and strategy: the aggregate tokens/s (all requests' new tokens over the
+wall-clock seconds from the first pass to the last), the median per-request tokens/s (its tokens over the
+seconds from its arrival until it finished), mean rows per shared pass, the ratio of the aggregate to standard
+decoding's at the same level and arrival mode (all strategies of a level run one after another in the same
+process, so a ratio compares runs made side by side), and whether every request's tokens equal its solo run
+(``identical_to_solo``). Requests use distinct prompts while there are enough (cycled from the data).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 from typing import Any, Sequence
@@ -16,75 +27,171 @@ from typing import Any, Sequence
 from ..engine.batch import BatchRunner
 from ..engine.decoding import Decoder, run
 
+#: The arrival modes :func:`concurrency_bench` knows (module docstring).
+ARRIVALS = ("together", "staggered")
+#: Default cap on the rows of one shared pass in this benchmark (a wider pass waits; see BatchRunner).
+MAX_ROWS = 256
+
+
+def _serve(lm: Any, req: Sequence[Sequence[int]], strategy: Any, max_new_tokens: int, max_rows: int,
+           arrival: str) -> dict:
+    """Serve ``req`` (prompt ids) with ``strategy`` in shared passes; timings, rows and each request's tokens."""
+    n = len(req)
+    runner = BatchRunner(lm, max_rows=max_rows, max_sessions=max(n, 1))
+    decs = [Decoder(lm, r, strategy, max_new_tokens) for r in req]
+    arrived: dict[Decoder, float] = {}
+    arrived_at_pass: list[int] = []
+    finished: dict[Decoder, float] = {}
+    passes = rows = 0
+    nxt = 0  # next request to arrive
+    t0 = time.perf_counter()
+    while nxt < n or runner.pending:
+        due = n if arrival == "together" else passes + 1  # staggered: request i arrives before pass i
+        if not runner.pending:
+            due = max(due, nxt + 1)  # nobody is being served: the next request arrives now
+        now = time.perf_counter()
+        while nxt < min(due, n):
+            runner.add(decs[nxt])
+            arrived[decs[nxt]] = now
+            arrived_at_pass.append(passes)
+            nxt += 1
+        res = runner.step()
+        passes += 1
+        rows += res.rows
+        now = time.perf_counter()
+        for d in decs[:nxt]:
+            if d.done and d not in finished:
+                finished[d] = now
+    wall = time.perf_counter() - t0
+    per_req = [len(d.generated) / (finished[d] - arrived[d]) for d in decs if finished[d] > arrived[d]]
+    tokens = sum(len(d.generated) for d in decs)
+    return {"tokens": tokens, "seconds": wall, "passes": passes, "rows": rows, "per_request": per_req,
+            "generated": [list(d.generated) for d in decs], "errors": len(runner.errors),
+            "arrived_at_pass": arrived_at_pass}
+
 
 def concurrency_bench(lm: Any, prompts: Sequence[str], strategies: Sequence[Any], levels: Sequence[int],
-                      max_new_tokens: int = 64, max_rows: int = 256) -> list[dict]:
-    """Serve ``n`` requests at once for each ``n`` in ``levels`` and each strategy (module docstring).
+                      max_new_tokens: int = 64, max_rows: int = MAX_ROWS,
+                      arrivals: Sequence[str] = ("together",)) -> list[dict]:
+    """Serve ``n`` requests for each ``n`` in ``levels``, each arrival mode and each strategy (module docstring).
+
+    Args:
+        lm: a model on our CPU kernels (:class:`BatchRunner`).
+        prompts: prompt texts, cycled when a level has more requests than prompts.
+        strategies: from :mod:`model.engine.strategies`; include ``standard()`` for the ratios.
+        levels: request counts.
+        max_new_tokens: new tokens per request.
+        max_rows: most rows in one shared pass.
+        arrivals: arrival modes from :data:`ARRIVALS`, each run for every level.
 
     Returns:
-        One dict per (level, strategy): ``concurrency``, ``strategy``, ``aggregate_tokens_per_second``,
-        ``median_request_tokens_per_second``, ``rows_per_pass``, ``passes``, ``identical_to_solo`` (list of
-        bools), ``ratio_to_standard`` (None without a standard row at that level).
+        One dict per (level, arrival, strategy), in that nesting order: ``concurrency``, ``arrival``,
+        ``strategy``, ``aggregate_tokens_per_second``, ``median_request_tokens_per_second``,
+        ``request_tokens_per_second`` (per request), ``rows_per_pass`` (mean), ``passes``, ``tokens``,
+        ``seconds``, ``errors``, ``arrived_at_pass`` (the shared pass each request joined before, 0-based),
+        ``identical_to_solo`` (one bool per request), ``ratio_to_standard`` (the
+        aggregate over standard's at the same level and arrival mode; None without a standard row there).
 
     Raises:
-        ValueError: no prompts, a level below 1, or a model off our kernels (:class:`BatchRunner`).
+        ValueError: no prompts, a level below 1, an unknown arrival mode, or a model off our kernels.
     """
     if not prompts:
         raise ValueError("No prompts to benchmark.")
     if any(n < 1 for n in levels):
         raise ValueError(f"concurrency levels must be >= 1, got {list(levels)!r}")
+    bad = [a for a in arrivals if a not in ARRIVALS]
+    if bad or not arrivals:
+        raise ValueError(f"arrivals must be some of {', '.join(ARRIVALS)}; got {list(arrivals)!r}")
     ids = [lm.prompt_ids(p) for p in prompts]
     solo: dict[tuple[str, int], list[int]] = {}
     rows_out = []
     for n in levels:
-        level_rows = []
-        for s in strategies:
-            req = [ids[i % len(ids)] for i in range(n)]
-            for i, r in enumerate(req):
+        req = [ids[i % len(ids)] for i in range(n)]
+        for s in strategies:  # the solo runs first, outside the timed runs
+            for i in range(n):
                 key = (s.spec, i % len(ids))
                 if key not in solo:
-                    solo[key] = run(lm, r, s, max_new_tokens).token_ids
-            runner = BatchRunner(lm, max_rows=max_rows, max_sessions=max(n, 1))
-            decs = [Decoder(lm, r, s, max_new_tokens) for r in req]
-            for d in decs:
-                runner.add(d)
-            t0 = time.perf_counter()
-            finished: dict[Decoder, float] = {}
-            passes, rows = 0, 0
-            while runner.pending:
-                res = runner.step()
-                passes += 1
-                rows += res.rows
-                now = time.perf_counter()
-                for d in decs:
-                    if d.done and d not in finished:
-                        finished[d] = now - t0
-            wall = time.perf_counter() - t0
-            tokens = sum(len(d.generated) for d in decs)
-            per_req = [len(d.generated) / finished[d] for d in decs if finished.get(d)]
-            level_rows.append({
-                "concurrency": n, "strategy": s.spec, "aggregate_tokens_per_second": tokens / wall,
-                "median_request_tokens_per_second": statistics.median(per_req) if per_req else 0.0,
-                "rows_per_pass": rows / max(passes, 1), "passes": passes,
-                "identical_to_solo": [d.generated == solo[(s.spec, i % len(ids))] for i, d in enumerate(decs)],
-            })
-        std = next((r for r in level_rows if r["strategy"] == "standard"), None)
-        for r in level_rows:
-            r["ratio_to_standard"] = (r["aggregate_tokens_per_second"] / std["aggregate_tokens_per_second"]
-                                      if std else None)
-        rows_out += level_rows
+                    solo[key] = run(lm, req[i], s, max_new_tokens).token_ids
+        for arrival in arrivals:
+            group = []
+            for s in strategies:
+                out = _serve(lm, req, s, max_new_tokens, max_rows, arrival)
+                per_req = out["per_request"]
+                group.append({
+                    "concurrency": n, "arrival": arrival, "strategy": s.spec,
+                    "aggregate_tokens_per_second": out["tokens"] / out["seconds"],
+                    "median_request_tokens_per_second": statistics.median(per_req) if per_req else 0.0,
+                    "request_tokens_per_second": per_req,
+                    "rows_per_pass": out["rows"] / max(out["passes"], 1), "passes": out["passes"],
+                    "tokens": out["tokens"], "seconds": out["seconds"], "errors": out["errors"],
+                    "arrived_at_pass": out["arrived_at_pass"],
+                    "identical_to_solo": [g == solo[(s.spec, i % len(ids))] for i, g in enumerate(out["generated"])],
+                })
+            std = next((r for r in group if r["strategy"] == "standard"), None)
+            for r in group:
+                r["ratio_to_standard"] = (r["aggregate_tokens_per_second"] / std["aggregate_tokens_per_second"]
+                                          if std else None)
+            rows_out += group
     return rows_out
 
 
+def concurrency_report(rows: Sequence[dict], **config: Any) -> dict:
+    """The JSON report of :func:`concurrency_bench`'s ``rows``: ``{"concurrency": rows, "config": config,
+    "ratios": {arrival: {strategy: {str(level): ratio}}}, "all_identical_to_solo": bool}`` (``config``: what
+    the caller ran, e.g. model, threads, forward path; the load average now is added as ``load_average``)."""
+    ratios: dict[str, dict[str, dict[str, float | None]]] = {}
+    for r in rows:
+        ratios.setdefault(r["arrival"], {}).setdefault(r["strategy"], {})[str(r["concurrency"])] = \
+            r["ratio_to_standard"]
+    load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    return {"concurrency": list(rows), "config": {**config, "load_average": load}, "ratios": ratios,
+            "all_identical_to_solo": all(all(r["identical_to_solo"]) for r in rows)}
+
+
+def dumps_strict(report: dict) -> str:
+    """``report`` as strict JSON (no NaN or Infinity: ValueError if any value is not finite)."""
+    return json.dumps(report, indent=1, allow_nan=False)
+
+
 def format_concurrency(rows: Sequence[dict]) -> str:
-    """The rows as a plain-text table."""
-    head = f"{'n':>3} {'strategy':<22} {'aggregate tok/s':>16} {'median req tok/s':>17} {'x standard':>11} " \
-           f"{'rows/pass':>10} {'identical':>10}"
+    """The rows as a plain-text table, one line per (level, arrival, strategy)."""
+    head = f"{'n':>3} {'arrival':<10} {'strategy':<22} {'aggregate tok/s':>16} {'median req tok/s':>17} " \
+           f"{'x standard':>11} {'rows/pass':>10} {'identical':>10}"
     lines = [head, "-" * len(head)]
     for r in rows:
         ratio = "" if r["ratio_to_standard"] is None else f"{r['ratio_to_standard']:.2f}"
         same = f"{sum(r['identical_to_solo'])}/{len(r['identical_to_solo'])}"
-        lines.append(f"{r['concurrency']:>3} {r['strategy']:<22} {r['aggregate_tokens_per_second']:>16.1f} "
-                     f"{r['median_request_tokens_per_second']:>17.1f} {ratio:>11} {r['rows_per_pass']:>10.1f} "
-                     f"{same:>10}")
+        lines.append(f"{r['concurrency']:>3} {r.get('arrival', 'together'):<10} {r['strategy']:<22} "
+                     f"{r['aggregate_tokens_per_second']:>16.1f} {r['median_request_tokens_per_second']:>17.1f} "
+                     f"{ratio:>11} {r['rows_per_pass']:>10.1f} {same:>10}")
+    return "\n".join(lines)
+
+
+def format_ratios(rows: Sequence[dict]) -> str:
+    """The MTP / standard ratios side by side: one line per level, per arrival mode standard's aggregate tok/s
+    then each other strategy's ratio to it; a last column says whether every request equalled its solo run."""
+    arrivals = list(dict.fromkeys(r["arrival"] for r in rows))
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    others = [s for s in strategies if s != "standard"]
+    cols = [(a, s) for a in arrivals for s in (["standard"] if "standard" in strategies else []) + others]
+    by = {(r["concurrency"], r["arrival"], r["strategy"]): r for r in rows}
+    label = {s: "standard tok/s" if s == "standard" else "x " + s for s in strategies}
+    width = max(len(x) for x in label.values()) + 2
+    top = "    " + "".join(f"{a:<{width}}" if i == 0 or cols[i - 1][0] != a else " " * width
+                          for i, (a, _) in enumerate(cols))
+    sub = "  n " + "".join(f"{label[s]:<{width}}" for _, s in cols) + "identical"
+    lines = ["MTP / standard, aggregate tokens/s (each level's strategies run side by side in one process)",
+             top.rstrip(), sub, "-" * len(sub)]
+    for n in dict.fromkeys(r["concurrency"] for r in rows):
+        cells = []
+        for a, s in cols:
+            r = by.get((n, a, s))
+            if r is None:
+                cells.append("")
+            elif s == "standard":
+                cells.append(f"{r['aggregate_tokens_per_second']:.1f}")
+            else:
+                cells.append("" if r["ratio_to_standard"] is None else f"{r['ratio_to_standard']:.2f}")
+        same = all(all(r["identical_to_solo"]) for r in rows if r["concurrency"] == n)
+        lines.append(f"{n:>3} " + "".join(f"{c:<{width}}" for c in cells) + ("all" if same else "NOT ALL"))
     return "\n".join(lines)

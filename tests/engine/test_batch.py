@@ -172,3 +172,38 @@ def test_sixteen_requests_at_once_equal_solo(lm):
     assert not runner.errors and max(len(r.records) for r in steps) == 8
     for d, (p, s, n) in zip(decs, specs):
         assert _signature(d) == want[(p, s.spec, n)]
+
+
+def test_concurrency_bench_staggered_arrivals_equal_solo_and_report(lm):
+    """Staggered arrivals (request i joins before shared pass i, its prefill beside the others' decoding rows):
+    every request equals its solo run; the report is strict JSON with the keys the README's plot reads."""
+    import json
+
+    from model.evaluation.concurrency import concurrency_bench, concurrency_report, dumps_strict, format_ratios
+
+    strategies = [standard(), confadapt(0.3, 4), verify(4, "full")]
+    rows = concurrency_bench(lm, PROMPTS[:4], strategies, [1, 4], max_new_tokens=8,
+                             arrivals=("together", "staggered"))
+    assert [(r["concurrency"], r["arrival"], r["strategy"]) for r in rows] == [
+        (n, a, s.spec) for n in (1, 4) for a in ("together", "staggered") for s in strategies]
+    for r in rows:
+        assert len(r["identical_to_solo"]) == r["concurrency"] and all(r["identical_to_solo"]), r
+        assert r["errors"] == 0 and r["tokens"] == 8 * r["concurrency"] and r["rows_per_pass"] > 0
+        assert r["aggregate_tokens_per_second"] > 0 and r["median_request_tokens_per_second"] > 0
+    staggered = [r for r in rows if r["arrival"] == "staggered" and r["concurrency"] == 4]
+    assert all(r["arrived_at_pass"] == [0, 1, 2, 3] for r in staggered)
+    assert all(r["arrived_at_pass"] == [0] * 4 for r in rows if r["arrival"] == "together" and r["concurrency"] == 4)
+    assert all(r["ratio_to_standard"] == 1.0 for r in rows if r["strategy"] == "standard")
+
+    report = json.loads(dumps_strict(concurrency_report(rows, threads=1, max_new_tokens=8)))
+    assert set(report) == {"concurrency", "config", "ratios", "all_identical_to_solo"}
+    assert report["all_identical_to_solo"] is True and report["config"]["threads"] == 1
+    assert "load_average" in report["config"]
+    assert set(report["ratios"]) == {"together", "staggered"}
+    assert set(report["ratios"]["staggered"]) == {s.spec for s in strategies}
+    assert set(report["ratios"]["staggered"]["verify:4:full"]) == {"1", "4"}
+    assert set(report["concurrency"][0]) >= {
+        "concurrency", "arrival", "strategy", "aggregate_tokens_per_second", "median_request_tokens_per_second",
+        "ratio_to_standard", "rows_per_pass", "identical_to_solo", "arrived_at_pass"}
+    table = format_ratios(rows)
+    assert "staggered" in table and "x verify:4:full" in table and table.splitlines()[-1].endswith("all")
