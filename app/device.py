@@ -28,7 +28,7 @@ from model.engine.loaded_model import LoadedModel
 from model.engine.precision import native_bf16
 from model.engine.strategies import Verify, confadapt, verify
 from model.engine.width import choose_verify_layout, conditional_acceptance, cost_at, pass_costs
-from model.evaluation.sweep import load_sweep, run_sweep, verify_acceptance
+from model.evaluation.sweep import Sweep, load_sweep, run_sweep, verify_acceptance
 
 log = logging.getLogger(__name__)
 
@@ -126,11 +126,9 @@ class LosslessShape:
         return f"k_max {self.k_max}, {where}"
 
 
-def _verify_points(sweep: dict | None) -> list[int]:
+def _verify_points(sweep: Sweep | None) -> list[int]:
     """k_max of the sweep's linear lossless points, largest first."""
-    ks = {p.get("k_max") for p in (sweep or {}).get("points", [])
-          if p.get("name") == "verify" and str(p.get("strategy", "")).count(":") < 2 and p.get("k_max")}
-    return sorted((k for k in ks if isinstance(k, int)), reverse=True)
+    return sorted({p.k_max for p in sweep.named("verify") if p.linear_verify} if sweep else set(), reverse=True)
 
 
 class _LockedModel(LoadedModel):
@@ -173,8 +171,8 @@ class ModelFacts:
         self._mutex = threading.Lock()
         self._profiles: dict[tuple, WidthProfile | None] = {}
         self._profile_errors: dict[tuple, str] = {}
-        self._shipped: dict[tuple, dict | None] = {}
-        self._measured: dict[tuple, dict] = {}
+        self._shipped: dict[tuple, Sweep | None] = {}
+        self._measured: dict[tuple, Sweep] = {}
 
     # ------------------------------------------------------------------ width
     def profile(self, key: tuple, lm: LoadedModel | None = None) -> WidthProfile | None:
@@ -213,7 +211,7 @@ class ModelFacts:
         return self._profile_errors.get(key)
 
     # ------------------------------------------------------------------ sweeps
-    def sweep(self, key: tuple, lm: LoadedModel | None) -> tuple[dict | None, str | None]:
+    def sweep(self, key: tuple, lm: LoadedModel | None) -> tuple[Sweep | None, str | None]:
         """``(sweep, source)``: the checkpoint's shipped ``sweep.json`` (source ``"shipped"``), else one
         measured by the page (``"measured"``), else ``(None, None)``."""
         with self._mutex:
@@ -229,8 +227,17 @@ class ModelFacts:
             measured = self._measured.get(key)
         return (measured, "measured") if measured is not None else (None, None)
 
-    def put_sweep(self, key: tuple, sweep: dict) -> None:
-        """Keep a sweep measured by the page for model ``key``."""
+    def put_sweep(self, key: tuple, sweep: Sweep | dict) -> None:
+        """Keep a sweep measured by the page for model ``key``.
+
+        A plain dict (``sweep.json``'s format) is read once with :meth:`Sweep.from_dict`: a compatibility path
+        for callers that still pass the former dict (app/ui.py), to remove once they pass a :class:`Sweep`.
+
+        Raises:
+            ValueError: a dict that is not a sweep.
+        """
+        if not isinstance(sweep, Sweep):
+            sweep = Sweep.from_dict(sweep)
         with self._mutex:
             self._measured[key] = sweep
 
@@ -260,7 +267,7 @@ class ModelFacts:
     # ------------------------------------------------------------------ measuring a sweep
     def measure_sweep(self, key: tuple, lm: LoadedModel, prompts: Sequence[str], *,
                       taus: Sequence[float] = SWEEP_TAUS, max_new_tokens: int = SWEEP_MAX_NEW_TOKENS,
-                      on_progress: Callable[[int, int], None] | None = None) -> dict:
+                      on_progress: Callable[[int, int], None] | None = None) -> Sweep:
         """Measure the trade-off on ``prompts`` with :func:`~model.evaluation.sweep.run_sweep` (ConfAdapt at
         ``taus`` and lossless, at the model's k_max up to :data:`SWEEP_K_MAX`), every pass under the forward
         lock; keep and return it.

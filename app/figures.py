@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import plotly
 import plotly.graph_objects as go
@@ -27,6 +27,7 @@ from plotly.subplots import make_subplots
 
 from model.engine.decoding import PassRecord
 from model.engine.strategies import Strategy
+from model.evaluation.sweep import AnswerPoint, Sweep, SweepPoint
 
 #: plotly.js shipped with the plotly package; the app serves it with ``gr.set_static_paths``.
 PLOTLY_JS = Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
@@ -290,87 +291,92 @@ ANSWER_IDENTICAL = "#2ca02c"
 ANSWER_PARTED = "#ff7f0e"
 
 
-def tau_point(sweep: dict | None, tau: float | None, k_max: int | None = None) -> dict | None:
+def tau_point(sweep: Sweep | None, tau: float | None, k_max: int | None = None) -> dict | None:
     """Where ``tau`` sits on the sweep's ConfAdapt curve: ``{"tau", "k_max", "effective_k",
     "agreement_with_standard", "nll_teacher", "inside"}``, linearly interpolated between the two measured
     taus around it (the curve with the k_max nearest ``k_max``); ``inside`` is False when ``tau`` lies
-    outside the measured taus (the nearest end is returned). None without ConfAdapt points or a tau."""
-    if tau is None or not sweep:
+    outside the measured taus (the nearest end is returned). None without ConfAdapt points or a tau (or
+    with a tau that is not a number)."""
+    if tau is None or sweep is None:
         return None
     try:
         tau = float(tau)
     except (TypeError, ValueError):
         return None
-    points = [p for p in sweep.get("points", []) if p.get("name") == "confadapt" and p.get("tau") is not None]
+    points = sweep.named("confadapt")
     if not points or tau != tau:
         return None
-    ks = sorted({p.get("k_max") or 0 for p in points})
+    ks = sorted({p.k_max for p in points})
     want = k_max if isinstance(k_max, (int, float)) else ks[-1]
     k = min(ks, key=lambda x: (abs(x - want), -x))
-    curve = sorted((p for p in points if (p.get("k_max") or 0) == k), key=lambda p: p["tau"])
+    curve = sorted((p for p in points if p.k_max == k), key=lambda p: p.tau)
     keys = ("effective_k", "agreement_with_standard", "nll_teacher")
 
-    def at(p: dict) -> dict:
-        return {key: p.get(key) for key in keys}
-    inside = curve[0]["tau"] <= tau <= curve[-1]["tau"]
-    if tau <= curve[0]["tau"]:
+    def at(p: SweepPoint) -> dict:
+        return {key: getattr(p, key) for key in keys}
+    inside = curve[0].tau <= tau <= curve[-1].tau
+    if tau <= curve[0].tau:
         vals = at(curve[0])
-    elif tau >= curve[-1]["tau"]:
+    elif tau >= curve[-1].tau:
         vals = at(curve[-1])
     else:
-        lo = [p for p in curve if p["tau"] <= tau][-1]
-        hi = [p for p in curve if p["tau"] >= tau][0]
-        w = 0.0 if hi["tau"] == lo["tau"] else (tau - lo["tau"]) / (hi["tau"] - lo["tau"])
+        lo = [p for p in curve if p.tau <= tau][-1]
+        hi = [p for p in curve if p.tau >= tau][0]
+        w = 0.0 if hi.tau == lo.tau else (tau - lo.tau) / (hi.tau - lo.tau)
         vals = {}
         for key in keys:
-            a, b = lo.get(key), hi.get(key)
+            a, b = getattr(lo, key), getattr(hi, key)
             vals[key] = None if a is None or b is None else a + w * (b - a)
     return {"tau": tau, "k_max": k, "inside": inside, **vals}
 
 
-def _tau_labels(curve: Sequence[dict], x_span: float) -> list[str]:
+def _tau_labels(curve: Sequence[SweepPoint], x_span: float) -> list[str]:
     """The tau labels of one ConfAdapt curve: points that sit at nearly the same place (within 3% of the x span
     and 5% agreement) share one label, ``0.5, 0.7``, on the first of them, so that no two labels overlap."""
     labels = [""] * len(curve)
     head = None
     for i, p in enumerate(curve):
-        near = head is not None and abs(p["effective_k"] - curve[head]["effective_k"]) <= 0.03 * max(x_span, 1e-9) \
-            and abs((p.get("agreement_with_standard") or 0) - (curve[head].get("agreement_with_standard") or 0)) <= 0.05
+        near = head is not None and abs(p.effective_k - curve[head].effective_k) <= 0.03 * max(x_span, 1e-9) \
+            and abs((p.agreement_with_standard or 0) - (curve[head].agreement_with_standard or 0)) <= 0.05
         if not near:
             head = i
-        taus = sorted([float(t) for t in labels[head].split(", ") if t] + [p["tau"]])
+        taus = sorted([float(t) for t in labels[head].split(", ") if t] + [p.tau])
         labels[head] = ", ".join(f"{t:g}" for t in taus)
     return labels
 
 
-def tradeoff_figure(sweep: dict | None, *, tau: float | None = None, k_max: int | None = None,
-                    answers: Sequence[dict] = (), source: str | None = None) -> go.Figure:
+def tradeoff_figure(sweep: Sweep | None, *, tau: float | None = None, k_max: int | None = None,
+                    answers: Sequence[AnswerPoint | Mapping] = (), source: str | None = None) -> go.Figure:
     """The loaded checkpoint's speed/quality trade-off: effective k (x) against agreement with standard
     decoding (top panel: the share of answers identical to standard decoding's) and the answers' mean
     negative log-likelihood per token under the model, adapter off (bottom panel).
 
     Args:
-        sweep: :mod:`model.evaluation.sweep`'s dict (``points`` with ``name``, ``tau``, ``k_max``,
-            ``effective_k``, ``agreement_with_standard``, ``nll_teacher``); None: no sweep yet (the figure
-            says how to measure one).
+        sweep: the checkpoint's :class:`~model.evaluation.sweep.Sweep`; None: no sweep yet (the figure says
+            how to measure one).
         tau, k_max: the page's current tau (a star on the ConfAdapt curve of the nearest k_max,
             :func:`tau_point`) and k_max box.
-        answers: this session's finished answers (:func:`app.runner.answer_point`): a point each at its
-            effective k, 1 (identical) or 0 (parted) on top, its NLL below.
+        answers: this session's finished answers (:class:`~model.evaluation.sweep.AnswerPoint`): a point
+            each at its effective k, 1 (identical) or 0 (parted) on top, its NLL below. A plain dict (the
+            former :func:`app.runner.answer_point`) is read with :meth:`AnswerPoint.from_dict`: a compatibility
+            path, to remove once every caller passes AnswerPoints.
         source: ``"shipped"`` (the checkpoint's sweep.json) or ``"measured"`` (on this page), for the title.
 
     Returns:
         A ``go.Figure`` of two panels sharing the x axis; ConfAdapt points labelled with their tau,
         lossless points as diamonds.
+
+    Raises:
+        ValueError: an answer given as a dict that :meth:`AnswerPoint.from_dict` refuses.
     """
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
                         subplot_titles=("Identical to standard decoding", "NLL per token under the model"))
     for ann in fig.layout.annotations:
         ann.update(x=0.0, xanchor="left", font={"size": 12})
-    points = list((sweep or {}).get("points", []))
+    points = sweep.points if sweep is not None else ()
+    answers = [a if isinstance(a, AnswerPoint) else AnswerPoint.from_dict(a) for a in answers]
 
-    xs_all = [p["effective_k"] for p in points if p.get("effective_k") is not None] + \
-        [a["effective_k"] for a in answers if a.get("effective_k") is not None]
+    xs_all = [p.effective_k for p in points] + [a.effective_k for a in answers]
     x_lo, x_hi = (min(xs_all), max(xs_all)) if xs_all else (0.0, 1.0)
 
     def side(x: float) -> str:
@@ -389,33 +395,34 @@ def tradeoff_figure(sweep: dict | None, *, tau: float | None = None, k_max: int 
                                  cliponaxis=False, **common), row=1, col=1)  # labels at 100% stay whole
         fig.add_trace(go.Scatter(x=xs, y=ys_bottom, showlegend=False, **common), row=2, col=1)
 
-    def hover_of(p: dict) -> str:
-        nll = p.get("nll_teacher")
-        return (f"{html.escape(str(p.get('label') or p.get('strategy')))}<br>effective k {p.get('effective_k', 0):.2f}"
-                f"<br>identical to standard: {100 * (p.get('agreement_with_standard') or 0):.0f}% of answers"
+    def hover_of(p: SweepPoint) -> str:
+        nll = p.nll_teacher
+        return (f"{html.escape(p.label)}<br>effective k {p.effective_k:.2f}"
+                f"<br>identical to standard: {100 * (p.agreement_with_standard or 0):.0f}% of answers"
                 f"<br>NLL {'–' if nll is None else f'{nll:.3f}'} nats/token")
 
-    std = [p for p in points if p.get("name") == "standard"]
+    def series(group: Sequence[SweepPoint]) -> tuple[list, list, list]:
+        """x (effective k), top (agreement) and bottom (NLL) of a group of sweep points."""
+        return ([p.effective_k for p in group], [p.agreement_with_standard for p in group],
+                [p.nll_teacher for p in group])
+
+    std = sweep.named("standard") if sweep is not None else ()
     if std:
-        add([p["effective_k"] for p in std], [p["agreement_with_standard"] for p in std],
-            [p.get("nll_teacher") for p in std], name="standard decoding", colour=TRADEOFF_STANDARD,
-            symbol="square", hover=[hover_of(p) for p in std])
-    ca = [p for p in points if p.get("name") == "confadapt" and p.get("tau") is not None]
-    for k in sorted({p.get("k_max") or 0 for p in ca}):
-        curve = sorted((p for p in ca if (p.get("k_max") or 0) == k), key=lambda p: -p["tau"])
-        add([p["effective_k"] for p in curve], [p["agreement_with_standard"] for p in curve],
-            [p.get("nll_teacher") for p in curve], name=f"ConfAdapt k_max={k} (tau)", colour=TRADEOFF_CONFADAPT,
+        add(*series(std), name="standard decoding", colour=TRADEOFF_STANDARD, symbol="square",
+            hover=[hover_of(p) for p in std])
+    ca = sweep.named("confadapt") if sweep is not None else ()
+    for k in sorted({p.k_max for p in ca}):
+        curve = sorted((p for p in ca if p.k_max == k), key=lambda p: -p.tau)
+        add(*series(curve), name=f"ConfAdapt k_max={k} (tau)", colour=TRADEOFF_CONFADAPT,
             symbol="circle", mode="lines+markers+text", text=_tau_labels(curve, x_hi - x_lo),
             hover=[hover_of(p) for p in curve], line=True, size=8)
     for name, colour, symbol, title in (("verify", TRADEOFF_VERIFY, "diamond", "lossless"),
                                         ("static", TRADEOFF_STATIC, "triangle-up", "static k")):
-        group = [p for p in points if p.get("name") == name]
+        group = sweep.named(name) if sweep is not None else ()
         if group:
-            add([p["effective_k"] for p in group], [p["agreement_with_standard"] for p in group],
-                [p.get("nll_teacher") for p in group], name=title, colour=colour, symbol=symbol, size=12,
+            add(*series(group), name=title, colour=colour, symbol=symbol, size=12,
                 mode="markers+text" if name == "verify" else "markers",
-                text=[f"k_max {p.get('k_max')}" + ("" if str(p.get("strategy", "")).count(":") < 2 else
-                                                    f" {str(p['strategy']).split(':')[2]}") for p in group]
+                text=[f"k_max {p.k_max}" + ("" if p.linear_verify else f" {p.layout}") for p in group]
                 if name == "verify" else None, hover=[hover_of(p) for p in group])
     now = tau_point(sweep, tau, k_max)
     if now is not None and now.get("effective_k") is not None:
@@ -423,26 +430,24 @@ def tradeoff_figure(sweep: dict | None, *, tau: float | None = None, k_max: int 
         add([now["effective_k"]], [now["agreement_with_standard"]], [now["nll_teacher"]],
             name=f"tau {now['tau']:g} now", colour=TRADEOFF_NOW, symbol="star", size=16,
             hover=[f"the tau slider: {now['tau']:g}{where}<br>effective k ≈ {now['effective_k']:.2f}"])
-    done = [a for a in answers if a.get("effective_k") is not None]
     for ok, colour, title in ((True, ANSWER_IDENTICAL, "your answers: identical"),
                               (False, ANSWER_PARTED, "your answers: parted")):
-        group = [a for a in done if bool(a.get("identical")) == ok]
+        group = [a for a in answers if a.identical == ok]
         if group:
-            hover = [f"turn {a.get('turn')}: {html.escape(str(a.get('label')))}<br>effective k "
-                     f"{a['effective_k']:.2f}<br>"
-                     + ("identical to standard decoding" if ok else f"parts at token {(a.get('parted_at') or 0) + 1}")
-                     + (f"<br>NLL {a['nll']:.3f} (standard {a['standard_nll']:.3f})"
-                        if a.get("nll") is not None and a.get("standard_nll") is not None else "")
-                     + ("<br>degenerates into repetition" if a.get("repeats") else "") for a in group]
-            add([a["effective_k"] for a in group], [1.0 if ok else 0.0 for a in group],
-                [a.get("nll") for a in group], name=title, colour=colour, symbol="circle", size=11,
+            hover = [f"turn {a.turn}: {html.escape(a.label)}<br>effective k {a.effective_k:.2f}<br>"
+                     + ("identical to standard decoding" if ok else f"parts at token {(a.parted_at or 0) + 1}")
+                     + (f"<br>NLL {a.nll:.3f} (standard {a.standard_nll:.3f})"
+                        if a.nll is not None and a.standard_nll is not None else "")
+                     + ("<br>degenerates into repetition" if a.repeats else "") for a in group]
+            add([a.effective_k for a in group], [1.0 if ok else 0.0 for a in group],
+                [a.nll for a in group], name=title, colour=colour, symbol="circle", size=11,
                 open_marker=True, hover=hover)
-    if sweep:
-        bits = [str(sweep.get("model") or "")]
-        if sweep.get("n_prompts"):
-            bits.append(f"{sweep['n_prompts']} prompts")
-        if sweep.get("max_new_tokens"):
-            bits.append(f"{sweep['max_new_tokens']} tokens each")
+    if sweep is not None:
+        bits = [sweep.model or ""]
+        if sweep.n_prompts:
+            bits.append(f"{sweep.n_prompts} prompts")
+        if sweep.max_new_tokens:
+            bits.append(f"{sweep.max_new_tokens} tokens each")
         if source:
             bits.append("shipped with the checkpoint" if source == "shipped" else "measured on this page")
         title = "Speed vs quality<br><sup>" + html.escape(", ".join(b for b in bits if b)) + "</sup>"

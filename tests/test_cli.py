@@ -232,7 +232,11 @@ def test_cli_rescore_writes_the_sweep_of_a_stopped_run(tiny_lm, tmp_path, capsys
     saved.write_text(json.dumps(report))
     assert evaluate_cli.main(["--rescore", str(saved), "--sweep", str(tmp_path / "adapter" / "sweep.json")]) == 0
     assert "wrote" in capsys.readouterr().out
-    assert load_sweep(tmp_path / "adapter") == json.loads(json.dumps(from_report(report)))
+    sweep = from_report(report)
+    assert load_sweep(tmp_path / "adapter") == sweep
+    assert [p.spec for p in sweep.points] == ["standard", "confadapt:0.9:4", "verify:4"]
+    assert [p.effective_k for p in sweep.points] == [r["effective_k_mean"] for r in report["strategies"]]
+    assert json.loads((tmp_path / "adapter" / "sweep.json").read_text()) == json.loads(json.dumps(sweep.to_dict()))
 
 
 def test_cli_shards_merge_into_the_report_of_one_run(tiny_lm, tmp_path, capsys):

@@ -11,6 +11,7 @@ from app import figures, render
 from app.runner import prepare_turn
 from model.engine.decoding import generate
 from model.engine.strategies import standard
+from model.evaluation.sweep import AnswerPoint, Sweep, load_sweep
 from tests.app.conftest import FP32, finish
 
 
@@ -61,7 +62,7 @@ def test_lossless_frames_show_every_mask_block_and_mark_the_one_used(tiny_regist
     assert any(len(r.mask_blocks) > 1 for r in last.mtp.passes)  # a tree, drawn as one
 
 
-SWEEP = {"model": "m", "n_prompts": 5, "max_new_tokens": 48, "points": [
+SWEEP = Sweep.from_dict({"model": "m", "n_prompts": 5, "max_new_tokens": 48, "points": [
     {"strategy": "standard", "name": "standard", "label": "standard", "tau": None, "k_max": 1, "effective_k": 1.0,
      "agreement_with_standard": 1.0, "nll_teacher": 0.40},
     {"strategy": "confadapt:0.5:4", "name": "confadapt", "label": "ConfAdapt tau=0.50 k_max=4", "tau": 0.5, "k_max": 4,
@@ -70,7 +71,7 @@ SWEEP = {"model": "m", "n_prompts": 5, "max_new_tokens": 48, "points": [
      "effective_k": 1.4, "agreement_with_standard": 0.8, "nll_teacher": 0.5},
     {"strategy": "verify:4", "name": "verify", "label": "lossless verify k_max=4", "tau": None, "k_max": 4,
      "effective_k": 1.7, "agreement_with_standard": 1.0, "nll_teacher": 0.40, "acceptance_by_position": [0.6, 0.4, 0.2]},
-]}
+]})
 
 
 def test_tau_point_interpolates_along_the_confadapt_curve():
@@ -85,10 +86,9 @@ def test_tau_point_interpolates_along_the_confadapt_curve():
 
 
 def test_tradeoff_figure_labels_taus_marks_lossless_tau_and_the_sessions_answers():
-    answers = [{"turn": 1, "label": "ConfAdapt tau=0.90 k_max=4", "effective_k": 1.3, "identical": True, "nll": 0.4,
-                "standard_nll": 0.4, "parted_at": None},
-               {"turn": 2, "label": "static k=3", "effective_k": 3.0, "identical": False, "nll": 1.2,
-                "standard_nll": 0.4, "parted_at": 4, "repeats": True}]
+    key = ("m", "none", "auto")
+    answers = [AnswerPoint(key, 1, "ConfAdapt tau=0.90 k_max=4", "confadapt", 0.9, 1.3, True, None, 0.4, 0.4),
+               AnswerPoint(key, 2, "static k=3", "static", None, 3.0, False, 4, 1.2, 0.4, repeats=True)]
     fig = figures.tradeoff_figure(SWEEP, tau=0.7, k_max=4, answers=answers, source="shipped")
     by_name = {}
     for t in fig.data:
@@ -108,17 +108,22 @@ def test_tradeoff_figure_labels_taus_marks_lossless_tau_and_the_sessions_answers
     assert "no measured trade-off" in empty.layout.title.text
     assert any("Measure the trade-off" in a.text for a in empty.layout.annotations)
     assert "tau 0.9 now" not in {t.name for t in empty.data}
+    # compatibility path, until every caller passes AnswerPoints: the former answer_point dicts draw the same
+    as_dicts = figures.tradeoff_figure(SWEEP, tau=0.7, k_max=4, answers=[a.to_dict() for a in answers],
+                                       source="shipped")
+    assert as_dicts.to_plotly_json() == fig.to_plotly_json()
+    with pytest.raises(ValueError, match="'effective_k'"):
+        figures.tradeoff_figure(SWEEP, answers=[{"model_key": list(key), "turn": 3, "label": "x", "name": "static",
+                                                 "identical": True}])
 
 
 def test_tradeoff_labels_at_one_place_are_one_label_and_right_hand_labels_go_left():
     """The shipped sweep: tau 0.5 and 0.7 sit at nearly the same point (effective k 2.389 and 2.392, both 0%
     identical): one label "0.5, 0.7"; labels right of the middle sit left of their point ("k_max 4 full" was
     clipped at 390 px; the browser test checks the drawn boxes)."""
-    import json
-
     from tests.conftest import ROOT
 
-    sweep = json.loads((ROOT / "assets" / "smollm2-135m-mtp" / "sweep.json").read_text())
+    sweep = load_sweep(ROOT / "assets" / "smollm2-135m-mtp")
     fig = figures.tradeoff_figure(sweep, tau=0.9, k_max=4)
     curve = next(t for t in fig.data if t.name == "ConfAdapt k_max=4 (tau)")
     assert list(curve.text) == ["0.99", "0.9", "0.5, 0.7", ""]
