@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --concurrency, comma-separated arrival modes: 'together' (all N requests there "
                         "before the first shared pass) and/or 'staggered' (request i arrives after i shared "
                         "passes, its prefill joining pass i beside the others' decoding rows)")
+    p.add_argument("--concurrency-repeats", default="auto",
+                   help="with --concurrency, rounds per level and arrival mode, strategies interleaved, median "
+                        "reported; 'auto' (default): ceil(largest level / N) rounds at level N")
     p.add_argument("--max-rows", type=int, default=256,
                    help="with --concurrency, most rows in one shared pass (wider passes wait for the next)")
     p.add_argument("--json", default=None, help="also write the report to this JSON file")
@@ -87,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         levels = _widths(args.concurrency, "--concurrency") if args.concurrency else None
         if levels is not None and (not levels or any(n < 1 for n in levels)):
             raise ValueError(f"--concurrency must be positive integers, got {args.concurrency!r}.")
+        rounds = args.concurrency_repeats
+        if rounds != "auto":
+            if not rounds.isdigit() or int(rounds) < 1:
+                raise ValueError(f"--concurrency-repeats must be 'auto' or an integer >= 1, got {rounds!r}.")
+            rounds = int(rounds)
         arrivals = [a.strip() for a in args.arrivals.split(",") if a.strip()]
         if not arrivals or any(a not in ("together", "staggered") for a in arrivals):
             raise ValueError(f"--arrivals must be together and/or staggered, got {args.arrivals!r}.")
@@ -108,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             rows = concurrency_bench(lm, prompts, strategies, levels, max_new_tokens=args.max_new_tokens,
-                                     max_rows=args.max_rows, arrivals=arrivals)
+                                     max_rows=args.max_rows, arrivals=arrivals, repeats=rounds)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -121,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows, model=args.model, adapter=not args.no_adapter, dtype=str(lm.dtype).removeprefix("torch."),
                 forward_path=lm.forward_path, threads=torch.get_num_threads(), prompts=len(prompts),
                 max_new_tokens=args.max_new_tokens, max_rows=args.max_rows, levels=list(levels),
-                arrivals=arrivals, strategies=[s.spec for s in strategies])
+                arrivals=arrivals, repeats=rounds, strategies=[s.spec for s in strategies])
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(dumps_strict(report))
         return 0

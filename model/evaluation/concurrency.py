@@ -14,6 +14,11 @@ seconds from its arrival until it finished), mean rows per shared pass, the rati
 decoding's at the same level and arrival mode (all strategies of a level run one after another in the same
 process, so a ratio compares runs made side by side), and whether every request's tokens equal its solo run
 (``identical_to_solo``). Requests use distinct prompts while there are enough (cycled from the data).
+
+A run of one or two requests lasts a second or two, so a burst of load from another job can halve it:
+``repeats`` serves each (level, arrival mode) group that many times, the strategies interleaved (their order
+rotated each round, so none always runs first), and reports the median aggregate of the rounds (``"auto"``:
+``ceil(max(levels) / n)`` rounds at level ``n``, so every level serves as many requests as the largest).
 """
 
 from __future__ import annotations
@@ -72,7 +77,7 @@ def _serve(lm: Any, req: Sequence[Sequence[int]], strategy: Any, max_new_tokens:
 
 def concurrency_bench(lm: Any, prompts: Sequence[str], strategies: Sequence[Any], levels: Sequence[int],
                       max_new_tokens: int = 64, max_rows: int = MAX_ROWS,
-                      arrivals: Sequence[str] = ("together",)) -> list[dict]:
+                      arrivals: Sequence[str] = ("together",), repeats: int | str = 1) -> list[dict]:
     """Serve ``n`` requests for each ``n`` in ``levels``, each arrival mode and each strategy (module docstring).
 
     Args:
@@ -83,22 +88,29 @@ def concurrency_bench(lm: Any, prompts: Sequence[str], strategies: Sequence[Any]
         max_new_tokens: new tokens per request.
         max_rows: most rows in one shared pass.
         arrivals: arrival modes from :data:`ARRIVALS`, each run for every level.
+        repeats: rounds per (level, arrival mode), or ``"auto"`` (module docstring).
 
     Returns:
         One dict per (level, arrival, strategy), in that nesting order: ``concurrency``, ``arrival``,
-        ``strategy``, ``aggregate_tokens_per_second``, ``median_request_tokens_per_second``,
-        ``request_tokens_per_second`` (per request), ``rows_per_pass`` (mean), ``passes``, ``tokens``,
-        ``seconds``, ``errors``, ``arrived_at_pass`` (the shared pass each request joined before, 0-based),
-        ``identical_to_solo`` (one bool per request), ``ratio_to_standard`` (the
-        aggregate over standard's at the same level and arrival mode; None without a standard row there).
+        ``strategy``, ``repeats``, ``aggregate_tokens_per_second`` (median of the rounds),
+        ``aggregate_tokens_per_second_rounds``, ``median_request_tokens_per_second`` (over every request of
+        every round), ``request_tokens_per_second`` (per request, every round), ``rows_per_pass`` (mean),
+        ``passes`` (of one round: the schedule does not depend on timing), ``tokens`` and ``seconds`` (all
+        rounds), ``errors``, ``arrived_at_pass`` (the shared pass each request joined before, 0-based),
+        ``identical_to_solo`` (one bool per request: its tokens equalled its solo run's in every round),
+        ``ratio_to_standard`` (the aggregate over standard's at the same level and arrival mode; None without a
+        standard row there).
 
     Raises:
-        ValueError: no prompts, a level below 1, an unknown arrival mode, or a model off our kernels.
+        ValueError: no prompts, a level below 1, an unknown arrival mode, repeats below 1, or a model off our
+            kernels.
     """
     if not prompts:
         raise ValueError("No prompts to benchmark.")
     if any(n < 1 for n in levels):
         raise ValueError(f"concurrency levels must be >= 1, got {list(levels)!r}")
+    if repeats != "auto" and (not isinstance(repeats, int) or repeats < 1):
+        raise ValueError(f"repeats must be 'auto' or an integer >= 1, got {repeats!r}")
     bad = [a for a in arrivals if a not in ARRIVALS]
     if bad or not arrivals:
         raise ValueError(f"arrivals must be some of {', '.join(ARRIVALS)}; got {list(arrivals)!r}")
@@ -112,20 +124,29 @@ def concurrency_bench(lm: Any, prompts: Sequence[str], strategies: Sequence[Any]
                 key = (s.spec, i % len(ids))
                 if key not in solo:
                     solo[key] = run(lm, req[i], s, max_new_tokens).token_ids
+        rounds = -(-max(levels) // n) if repeats == "auto" else int(repeats)
         for arrival in arrivals:
+            outs: dict[str, list[dict]] = {s.spec: [] for s in strategies}
+            for k in range(rounds):
+                for s in strategies[k % len(strategies):] + strategies[: k % len(strategies)]:
+                    outs[s.spec].append(_serve(lm, req, s, max_new_tokens, max_rows, arrival))
             group = []
             for s in strategies:
-                out = _serve(lm, req, s, max_new_tokens, max_rows, arrival)
-                per_req = out["per_request"]
+                runs = outs[s.spec]
+                per_req = [x for o in runs for x in o["per_request"]]
+                aggs = [o["tokens"] / o["seconds"] for o in runs]
                 group.append({
-                    "concurrency": n, "arrival": arrival, "strategy": s.spec,
-                    "aggregate_tokens_per_second": out["tokens"] / out["seconds"],
+                    "concurrency": n, "arrival": arrival, "strategy": s.spec, "repeats": rounds,
+                    "aggregate_tokens_per_second": statistics.median(aggs),
+                    "aggregate_tokens_per_second_rounds": aggs,
                     "median_request_tokens_per_second": statistics.median(per_req) if per_req else 0.0,
                     "request_tokens_per_second": per_req,
-                    "rows_per_pass": out["rows"] / max(out["passes"], 1), "passes": out["passes"],
-                    "tokens": out["tokens"], "seconds": out["seconds"], "errors": out["errors"],
-                    "arrived_at_pass": out["arrived_at_pass"],
-                    "identical_to_solo": [g == solo[(s.spec, i % len(ids))] for i, g in enumerate(out["generated"])],
+                    "rows_per_pass": sum(o["rows"] for o in runs) / max(sum(o["passes"] for o in runs), 1),
+                    "passes": runs[0]["passes"], "tokens": sum(o["tokens"] for o in runs),
+                    "seconds": sum(o["seconds"] for o in runs), "errors": sum(o["errors"] for o in runs),
+                    "arrived_at_pass": runs[0]["arrived_at_pass"],
+                    "identical_to_solo": [all(o["generated"][i] == solo[(s.spec, i % len(ids))] for o in runs)
+                                          for i in range(n)],
                 })
             std = next((r for r in group if r["strategy"] == "standard"), None)
             for r in group:

@@ -176,19 +176,22 @@ def test_sixteen_requests_at_once_equal_solo(lm):
 
 def test_concurrency_bench_staggered_arrivals_equal_solo_and_report(lm):
     """Staggered arrivals (request i joins before shared pass i, its prefill beside the others' decoding rows):
-    every request equals its solo run; the report is strict JSON with the keys the README's plot reads."""
+    every request equals its solo run in every round (``repeats="auto"``: 4 rounds at 1 request, 1 at 4); the
+    report is strict JSON with the keys the README's plot reads."""
     import json
 
     from model.evaluation.concurrency import concurrency_bench, concurrency_report, dumps_strict, format_ratios
 
     strategies = [standard(), confadapt(0.3, 4), verify(4, "full")]
     rows = concurrency_bench(lm, PROMPTS[:4], strategies, [1, 4], max_new_tokens=8,
-                             arrivals=("together", "staggered"))
+                             arrivals=("together", "staggered"), repeats="auto")
     assert [(r["concurrency"], r["arrival"], r["strategy"]) for r in rows] == [
         (n, a, s.spec) for n in (1, 4) for a in ("together", "staggered") for s in strategies]
     for r in rows:
         assert len(r["identical_to_solo"]) == r["concurrency"] and all(r["identical_to_solo"]), r
-        assert r["errors"] == 0 and r["tokens"] == 8 * r["concurrency"] and r["rows_per_pass"] > 0
+        rounds = 4 // r["concurrency"]
+        assert r["repeats"] == rounds and len(r["aggregate_tokens_per_second_rounds"]) == rounds
+        assert r["errors"] == 0 and r["tokens"] == 8 * 4 and r["rows_per_pass"] > 0
         assert r["aggregate_tokens_per_second"] > 0 and r["median_request_tokens_per_second"] > 0
     staggered = [r for r in rows if r["arrival"] == "staggered" and r["concurrency"] == 4]
     assert all(r["arrived_at_pass"] == [0, 1, 2, 3] for r in staggered)
