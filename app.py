@@ -2,7 +2,7 @@
 
 Environment: ``GRADIO_SERVER_NAME`` (default 127.0.0.1; Spaces sets 0.0.0.0),
 ``GRADIO_SERVER_PORT`` (default 7860), ``MTP_APP_THREADS`` (torch CPU threads; torch's default
-when unset), ``MTP_APP_*`` limits (see ``app/runner.py`` and ``app/ui.py``).
+when unset), ``MTP_APP_*`` limits (see ``app/requests.py``, ``app/page.py`` and ``app/ui.py``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,17 @@
 """The Gradio demo: standard decoding and an MTP strategy side by side (paper arXiv 2602.06019).
 
-``app.runner`` prepares and runs a turn (validation through the engine's vocabulary, the app's
-limits, the model, the prompt; passes alternating, Stop / Clear, one run per session, a load-robust
-speed estimate) with no Gradio types; ``app.render`` draws HTML and ``app.figures`` Plotly figures
-from its records; ``app.ui`` lays out the page and wires the events. No model code lives here: the
-engine is ``model.*``.
+One module per concern, none with a Gradio type but the last three:
+
+* ``app.requests`` — the app's limits, the checks of a request, :class:`~app.requests.TurnRequest`;
+* ``app.registry`` — the models loaded; ``app.device`` — what each trades on this device;
+* ``app.passes`` — every forward pass of the page, shared between sessions where the kernels allow;
+* ``app.turn`` — one turn, both sides, pass by pass; ``app.timing`` and ``app.quality`` — how fast and how
+  good each side was; ``app.sessions`` — one turn at a time per session, in order, and what each keeps;
+* ``app.zerogpu`` — the GPU on a ZeroGPU Space;
+* ``app.render`` (HTML) and ``app.figures`` (Plotly) — drawing; ``app.outputs`` — a turn's states as component
+  updates; ``app.page`` — every event handler, as methods; ``app.ui`` — the layout and its wiring.
+
+No model code lives here: the engine is ``model.*``.
 """
 
 from .ui import build_app, launch

@@ -162,7 +162,7 @@ class ModelFacts:
     """Width profiles and sweeps of the loaded models, cached per model key ``(source, quantization, precision)``.
 
     Args:
-        lock: the app's forward lock (:data:`app.runner.FORWARD_LOCK`): the width measurement holds it, so
+        lock: the app's forward lock (:func:`app.passes.exclusive`): the width measurement holds it, so
             that no other pass runs beside it; a sweep takes it pass by pass.
     """
 
@@ -227,17 +227,8 @@ class ModelFacts:
             measured = self._measured.get(key)
         return (measured, "measured") if measured is not None else (None, None)
 
-    def put_sweep(self, key: tuple, sweep: Sweep | dict) -> None:
-        """Keep a sweep measured by the page for model ``key``.
-
-        A plain dict (``sweep.json``'s format) is read once with :meth:`Sweep.from_dict`: a compatibility path
-        for callers that still pass the former dict (app/ui.py), to remove once they pass a :class:`Sweep`.
-
-        Raises:
-            ValueError: a dict that is not a sweep.
-        """
-        if not isinstance(sweep, Sweep):
-            sweep = Sweep.from_dict(sweep)
+    def put_sweep(self, key: tuple, sweep: Sweep) -> None:
+        """Keep a sweep measured by the page for model ``key``."""
         with self._mutex:
             self._measured[key] = sweep
 

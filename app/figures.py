@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import plotly
 import plotly.graph_objects as go
@@ -155,8 +155,11 @@ def _verify_bars(records: Sequence[PassRecord], i: int) -> dict:
 
 
 def _frame_title(rec: PassRecord, n: int) -> str:
+    """A frame's title: the pass, what it kept and why the block ended, and when the pass carried other sessions'
+    rows too, with how many (``shared by 3 sessions, 14 rows``)."""
     k = len(rec.kept)
-    return f"Pass {rec.index + 1} of {n}: kept {k} ({rec.block_end})"
+    shared = f" · shared by {rec.shared_sequences} sessions, {rec.shared_rows} rows" if rec.shared_sequences > 1 else ""
+    return f"Pass {rec.index + 1} of {n}: kept {k} ({rec.block_end}){shared}"
 
 
 def passes_figure(records: Sequence[PassRecord], strategy: Strategy | None) -> dict:
@@ -346,7 +349,7 @@ def _tau_labels(curve: Sequence[SweepPoint], x_span: float) -> list[str]:
 
 
 def tradeoff_figure(sweep: Sweep | None, *, tau: float | None = None, k_max: int | None = None,
-                    answers: Sequence[AnswerPoint | Mapping] = (), source: str | None = None) -> go.Figure:
+                    answers: Sequence[AnswerPoint] = (), source: str | None = None) -> go.Figure:
     """The loaded checkpoint's speed/quality trade-off: effective k (x) against agreement with standard
     decoding (top panel: the share of answers identical to standard decoding's) and the answers' mean
     negative log-likelihood per token under the model, adapter off (bottom panel).
@@ -357,24 +360,18 @@ def tradeoff_figure(sweep: Sweep | None, *, tau: float | None = None, k_max: int
         tau, k_max: the page's current tau (a star on the ConfAdapt curve of the nearest k_max,
             :func:`tau_point`) and k_max box.
         answers: this session's finished answers (:class:`~model.evaluation.sweep.AnswerPoint`): a point
-            each at its effective k, 1 (identical) or 0 (parted) on top, its NLL below. A plain dict (the
-            former :func:`app.runner.answer_point`) is read with :meth:`AnswerPoint.from_dict`: a compatibility
-            path, to remove once every caller passes AnswerPoints.
+            each at its effective k, 1 (identical) or 0 (parted) on top, its NLL below.
         source: ``"shipped"`` (the checkpoint's sweep.json) or ``"measured"`` (on this page), for the title.
 
     Returns:
         A ``go.Figure`` of two panels sharing the x axis; ConfAdapt points labelled with their tau,
         lossless points as diamonds.
-
-    Raises:
-        ValueError: an answer given as a dict that :meth:`AnswerPoint.from_dict` refuses.
     """
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
                         subplot_titles=("Identical to standard decoding", "NLL per token under the model"))
     for ann in fig.layout.annotations:
         ann.update(x=0.0, xanchor="left", font={"size": 12})
     points = sweep.points if sweep is not None else ()
-    answers = [a if isinstance(a, AnswerPoint) else AnswerPoint.from_dict(a) for a in answers]
 
     xs_all = [p.effective_k for p in points] + [a.effective_k for a in answers]
     x_lo, x_hi = (min(xs_all), max(xs_all)) if xs_all else (0.0, 1.0)

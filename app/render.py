@@ -12,7 +12,6 @@ from __future__ import annotations
 import html
 import math
 import re
-import statistics
 from typing import Any, Sequence
 
 from model.engine.loaded_model import LoadedModel
@@ -20,7 +19,8 @@ from model.engine.decoding import GenerationResult, PassRecord
 from model.engine.strategies import Strategy
 
 from .device import LosslessShape, WidthProfile
-from .runner import MIN_PAIRS_FOR_INTERVAL, SideTiming, SpeedEstimate, TurnState, side_timing
+from .timing import MIN_PAIRS_FOR_INTERVAL, SideTiming, SpeedEstimate, side_timing
+from .turn import TurnState
 
 # ---------------------------------------------------------------------------- text
 #: A fence line (```lang), with the line break before it and its own: those belong to the fence, so
@@ -65,7 +65,7 @@ def pane_html(history: Sequence[dict], message: str | None, answer: str | None, 
     """A chat pane: the conversation so far, then this turn's message and (streaming) answer.
 
     Args:
-        history: :func:`app.runner.parse_history` messages; the MTP pane shows assistant messages'
+        history: :func:`app.requests.parse_history` messages; the MTP pane shows assistant messages'
             ``"mtp"`` text where present.
         message: this turn's user message (None: no turn in progress).
         answer: this turn's answer so far.
@@ -131,7 +131,7 @@ def counters(result: GenerationResult | None, timing: SideTiming | None = None, 
 
     Args:
         result: the side's generation so far.
-        timing: the side's :class:`app.runner.SideTiming` from the turn's speed estimate (None: the method
+        timing: the side's :class:`app.timing.SideTiming` from the turn's speed estimate (None: the method
             applied to this side alone, its own median pass).
     """
     keys = list(COUNTER_HELP) + (list(VERIFY_COUNTER_HELP) if verifies else [])
@@ -421,7 +421,8 @@ def _one_line(text: str) -> str:
 
 def pass_table_html(state: TurnState | None) -> str:
     """Every forward pass of both sides: tokens fed (real + masks, or real + drafts + masks), kept,
-    why the block ended, ms, text. Narrow enough for a phone; numbers never wrap."""
+    why the block ended, ms (``41×3``: a pass shared by 3 sessions, its rows in the cell's title), text. Narrow
+    enough for a phone; numbers never wrap."""
     if state is None or not (state.standard.passes or state.mtp.passes):
         return '<div class="mtp-table-empty">No passes yet.</div>'
     rows = []
@@ -429,13 +430,16 @@ def pass_table_html(state: TurnState | None) -> str:
         for r in res.passes:
             fed = f"{r.fed_real}+{r.fed_drafts}+{r.fed_masks}" if r.fed_drafts else f"{r.fed_real}+{r.fed_masks}"
             end = BLOCK_END_SHORT.get(r.block_end, r.block_end)
+            shared = (f' title="shared by {r.shared_sequences} sessions, {r.shared_rows} rows">'
+                      f"{1000 * r.seconds:.0f}×{r.shared_sequences}" if r.shared_sequences > 1 else
+                      f">{1000 * r.seconds:.0f}")
             rows.append(f"<tr><td>{side}</td><td>{r.index + 1}</td><td>{fed}</td><td>{len(r.kept)}</td>"
-                        f'<td title="{esc(r.block_end)}">{esc(end)}</td><td>{1000 * r.seconds:.0f}</td>'
+                        f'<td title="{esc(r.block_end)}">{esc(end)}</td><td{shared}</td>'
                         f'<td class="mtp-td-text" dir="auto" title="{esc(r.text)}">{_one_line(r.text)}</td></tr>')
     head = ('<tr><th title="std = standard decoding, MTP = the right pane">side</th><th>pass</th>'
             '<th title="tokens fed: real + masks (real + drafts + masks when verifying)">fed</th>'
             '<th title="tokens this pass added to the answer">kept</th>'
-            '<th title="why the block ended">end</th><th title="milliseconds of this forward pass">ms</th>'
+            '<th title="why the block ended">end</th><th title="milliseconds of this forward pass (×n: shared by n sessions)">ms</th>'
             "<th>text</th></tr>")
     return (f'<div class="mtp-table-wrap"><table class="mtp-table"><thead>{head}</thead>'
             f'<tbody>{"".join(rows)}</tbody></table></div>')

@@ -38,7 +38,8 @@ class StepResult:
     """What one shared pass did.
 
     Attributes:
-        records: each decoder that ran its pass -> its :class:`PassRecord` (``seconds``: the shared pass).
+        records: each decoder that ran its pass -> its :class:`PassRecord`: ``seconds`` is the whole shared pass
+            (what each member waited for), ``shared_sequences`` / ``shared_rows`` say what it carried.
         errors: each decoder whose pass failed -> the exception (it is done; the others went on).
         rows: rows of the shared forward pass (all decoders' together).
         seconds: wall-clock seconds of the shared pass.
@@ -141,6 +142,8 @@ class BatchRunner:
                 result.errors[d] = self.errors[d] = e
         result.rows = sum(len(layout.tokens) for _, layout in chosen)
         result.seconds = time.perf_counter() - t0
+        for rec in result.records.values():  # every member waited for the whole shared pass
+            rec.seconds, rec.shared_sequences, rec.shared_rows = result.seconds, len(chosen), result.rows
         self.decoders = [d for d in self.decoders if not d.done]
         return result
 

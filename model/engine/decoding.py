@@ -76,6 +76,9 @@ class PassRecord:
             order of ``mask_blocks``), their texts and confidences.
         next_drafts: the drafts the next pass feeds: the proposals of the block that followed the accepted
             prefix, or none (no such block, or the answer ended).
+        shared_sequences: sequences whose rows shared this forward pass (1: it ran alone; more: a batch runner,
+            :mod:`model.engine.batch`, carried other generations' rows in the same pass).
+        shared_rows: rows of the whole shared pass (``fed_tokens`` when it ran alone).
     """
 
     index: int
@@ -103,6 +106,8 @@ class PassRecord:
     block_texts: list[list[str]] = field(default_factory=list)
     block_confidences: list[list[float]] = field(default_factory=list)
     next_drafts: list[int] = field(default_factory=list)
+    shared_sequences: int = 1
+    shared_rows: int = 0
 
     @property
     def counted_drafts(self) -> tuple[int, int]:
@@ -561,7 +566,8 @@ class Decoder:
         proposals = [greedy[d]] + (blocks[last] if last is not None else [])
         confidences = [conf[d]] + (block_conf[last] if last is not None else [])
         return PassRecord(
-            index=len(self.passes), fed_real=layout.pending, fed_masks=layout.num_masks, proposals=proposals,
+            index=len(self.passes), shared_rows=len(layout.tokens), fed_real=layout.pending,
+            fed_masks=layout.num_masks, proposals=proposals,
             proposal_texts=[decode([t]) for t in proposals], confidences=confidences, kept=kept,
             text=self._text_delta(), accepted=len(acc.kept), seconds=seconds, stopped=stopped, block_end=reason,
             fed_drafts=d, drafts=list(drafts), draft_texts=[decode([t]) for t in drafts], draft_checks=list(greedy[:d]),

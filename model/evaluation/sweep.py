@@ -29,7 +29,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..engine.decoding import run
 from ..engine.loaded_model import LoadedModel
@@ -44,7 +44,6 @@ SWEEP_FILE = "sweep.json"
 _POINT_KEYS = ("strategy", "name", "label", "tau", "k_max", "k", "effective_k", "agreement_with_standard",
                "nll_teacher", "accuracy", "draft_acceptance_rate", "acceptance_by_position")
 #: The keys of a sweep in ``sweep.json`` besides ``points``.
-_SWEEP_KEYS = ("model", "data", "n_prompts", "max_new_tokens", "dtype")
 
 
 # ----------------------------------------------------------------------------- checking plain values
@@ -78,30 +77,9 @@ def _text(d: Mapping, key: str) -> str | None:
     raise ValueError(f"{key!r} must be a string, got {value!r}.")
 
 
-class _LegacyKeys:
-    """Compatibility path, to remove: read a field as the dict this module returned before did
-    (``sweep["points"]``, ``point["name"]``, ``sweep.get("n_prompts")``), for code not yet reading attributes
-    (app/ui.py, tests/app/test_runner.py, tests/app/test_browser.py). Only the file format's keys are known;
-    others raise KeyError (``get`` returns its default)."""
-
-    _KEYS: ClassVar[tuple[str, ...]] = ()
-
-    def _legacy(self, key: str) -> Any:
-        return getattr(self, key)
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in self._KEYS:
-            raise KeyError(key)
-        return self._legacy(key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """``self[key]``, or ``default`` for a key the file format does not have."""
-        return self._legacy(key) if key in self._KEYS else default
-
-
 # ----------------------------------------------------------------------------- the types
 @dataclass(frozen=True)
-class SweepPoint(_LegacyKeys):
+class SweepPoint:
     """One strategy of a sweep: what it measured on the sweep's prompts.
 
     Attributes:
@@ -118,7 +96,6 @@ class SweepPoint(_LegacyKeys):
             was accepted (lossless verification only, else None); an entry may be None.
     """
 
-    _KEYS: ClassVar[tuple[str, ...]] = _POINT_KEYS
 
     strategy: Strategy
     effective_k: float
@@ -178,9 +155,6 @@ class SweepPoint(_LegacyKeys):
                 "nll_teacher": self.nll_teacher, "accuracy": self.accuracy,
                 "draft_acceptance_rate": self.draft_acceptance_rate, "acceptance_by_position": by_pos}
 
-    def _legacy(self, key: str) -> Any:
-        return self.to_dict()[key]
-
     @classmethod
     def from_dict(cls, d: Mapping) -> "SweepPoint":
         """Inverse of :meth:`to_dict`: the spec in ``strategy`` is parsed; ``name``, ``tau`` and ``k_max``, when
@@ -217,7 +191,7 @@ class SweepPoint(_LegacyKeys):
 
 
 @dataclass(frozen=True)
-class Sweep(_LegacyKeys):
+class Sweep:
     """A checkpoint's speed/quality trade-off: one :class:`SweepPoint` per strategy, and what it was measured on.
 
     Attributes:
@@ -229,7 +203,6 @@ class Sweep(_LegacyKeys):
         points: the strategies' points, in the order measured (standard decoding first when measured).
     """
 
-    _KEYS: ClassVar[tuple[str, ...]] = (*_SWEEP_KEYS, "points")
 
     model: str | None
     data: str | None

@@ -9,7 +9,9 @@ import socket
 import pytest
 import torch
 
-from app.runner import ModelRegistry, RequestError, run_turn
+from app.registry import ModelRegistry
+from app.turn import run_turn
+from model.errors import RequestError
 from model.engine.loading import wrap_model
 from model.errors import CheckpointError
 from tests.conftest import make_tiny

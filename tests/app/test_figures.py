@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from app import figures, render
-from app.runner import prepare_turn
+from app.requests import TurnRequest
+from app.turn import prepare_turn
 from model.engine.decoding import generate
 from model.engine.strategies import standard
 from model.evaluation.sweep import AnswerPoint, Sweep, load_sweep
@@ -19,7 +20,7 @@ from tests.app.conftest import FP32, finish
 def test_lossless_turn_equals_standard_and_its_figure_marks_the_drafts(registry):
     """In float32 the lossless side's answer is standard decoding's to the bit."""
     prompt = "Write a Python function that returns the n-th Fibonacci number iteratively."
-    last = finish(prepare_turn(registry, prompt, [], "lossless", 0.9, 4, 3, 24, FP32))[1]
+    last = finish(prepare_turn(registry, TurnRequest(prompt, [], "lossless", 0.9, 4, 3, 24, FP32)))[1]
     lm32 = registry.get(*FP32)
     assert lm32.dtype == torch.float32
     assert last.strategy.verifies and last.identical and last.mtp.text == generate(lm32, prompt, standard(), 24).text
@@ -41,8 +42,8 @@ def test_lossless_turn_equals_standard_and_its_figure_marks_the_drafts(registry)
 def test_lossless_frames_show_every_mask_block_and_mark_the_one_used(tiny_registry):
     """A tree layout feeds a block of masks after several draft prefixes; the frame draws each block's proposals
     and marks the one that followed the accepted drafts (its proposals are the next pass's drafts)."""
-    last = finish(prepare_turn(tiny_registry, "Count to ten.", [], "lossless", 0.9, 3, 3, 16, ("tiny", "none"),
-                               "full tree"))[1]
+    last = finish(prepare_turn(tiny_registry, TurnRequest("Count to ten.", [], "lossless", 0.9, 3, 3, 16, ("tiny", "none"),
+                               "full tree")))[1]
     assert last.strategy.layout == "full" and last.identical
     fig = figures.passes_figure(last.mtp.passes, last.strategy)
     for rec, frame in zip(last.mtp.passes, fig["frames"]):
@@ -108,13 +109,6 @@ def test_tradeoff_figure_labels_taus_marks_lossless_tau_and_the_sessions_answers
     assert "no measured trade-off" in empty.layout.title.text
     assert any("Measure the trade-off" in a.text for a in empty.layout.annotations)
     assert "tau 0.9 now" not in {t.name for t in empty.data}
-    # compatibility path, until every caller passes AnswerPoints: the former answer_point dicts draw the same
-    as_dicts = figures.tradeoff_figure(SWEEP, tau=0.7, k_max=4, answers=[a.to_dict() for a in answers],
-                                       source="shipped")
-    assert as_dicts.to_plotly_json() == fig.to_plotly_json()
-    with pytest.raises(ValueError, match="'effective_k'"):
-        figures.tradeoff_figure(SWEEP, answers=[{"model_key": list(key), "turn": 3, "label": "x", "name": "static",
-                                                 "identical": True}])
 
 
 def test_tradeoff_labels_at_one_place_are_one_label_and_right_hand_labels_go_left():

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from app import figures, render
-from app.runner import prepare_turn, run_turn
+from app.requests import TurnRequest
+from app.turn import prepare_turn, run_turn
 from tests.app.conftest import FP32, PROMPT, finish
 from tests.conftest import GSM8K_SAMPLE
 
@@ -26,7 +27,7 @@ def test_speed_is_worded_as_faster_or_slower():
 
 @pytest.mark.integration
 def test_speed_line_counters_and_figure_tell_the_rules(registry, lm):
-    last = finish(prepare_turn(registry, PROMPT, [], "ConfAdapt", 0.99, 4, 3, 10))[1]
+    last = finish(prepare_turn(registry, TurnRequest(PROMPT, [], "ConfAdapt", 0.99, 4, 3, 10)))[1]
     line = render.speed_html(last)
     word = "faster" if last.speed.ratio > 1.005 else ("slower" if last.speed.ratio < 0.995 else "same speed")
     assert word in line and "90% interval" in line and "effective k" in line
@@ -48,7 +49,7 @@ def test_speed_line_counters_and_figure_tell_the_rules(registry, lm):
 def test_lossless_answer_ahead_of_standard_is_identical_so_far(registry):
     """While a turn runs (or after Stop) one side is ahead: a shorter answer that is a prefix of the other
     is not a parting. In float32 lossless decoding never parts, so no running state may say it does."""
-    turn = prepare_turn(registry, "Tell me a story about a dragon.", [], "lossless", 0.9, 4, 3, 24, FP32)
+    turn = prepare_turn(registry, TurnRequest("Tell me a story about a dragon.", [], "lossless", 0.9, 4, 3, 24, FP32))
     ahead = 0
     for state in run_turn(turn):
         line = render.speed_html(state)
@@ -68,8 +69,8 @@ def test_lossless_in_bf16_says_where_and_why_the_answers_part(registry):
     problem parted at token 9 on this project's CPUs; elsewhere it may not part at all.)"""
     lm = registry.get("smollm2-135m", "none", "bfloat16")
     question = json.loads(GSM8K_SAMPLE.read_text().splitlines()[4])["question"]
-    last = finish(prepare_turn(registry, question, [], "lossless", 0.9, 4, 3, 16, ("smollm2-135m", "none",
-                                                                                   "bfloat16")))[1]
+    last = finish(prepare_turn(registry, TurnRequest(question, [], "lossless", 0.9, 4, 3, 16, ("smollm2-135m", "none",
+                                                                                   "bfloat16"))))[1]
     line = render.speed_html(last)
     if last.identical:
         assert "identical answers: lossless" in line
@@ -93,7 +94,7 @@ def test_text_is_shown_literally():
 
 @pytest.mark.integration
 def test_figure1_is_running_text_with_one_span_per_pass(registry, lm):
-    last = finish(prepare_turn(registry, PROMPT, [], "ConfAdapt", 0.5, 4, 3, 16))[1]
+    last = finish(prepare_turn(registry, TurnRequest(PROMPT, [], "ConfAdapt", 0.5, 4, 3, 16)))[1]
     out = render.figure1_html(last.mtp.passes, last.strategy)
     spans = re.findall(r'<span class="mtp-blk[^"]*" data-pass="(\d+)" data-kept="(\d+)"(?: style="[^"]*")? '
                        r'title="([^"]*)">(.*?)</span>(?=<span class="mtp-blk|</div>)', out, re.S)
@@ -125,7 +126,7 @@ def _state(std_ids, mtp_ids, strategy, quality=None, phase="done", std_ms=50.0, 
     """A TurnState from token ids alone: standard one token per pass, MTP ``per_pass`` tokens per pass."""
     from types import SimpleNamespace
 
-    from app.runner import Turn, TurnState
+    from app.turn import Turn, TurnState
     from model.engine.decoding import GenerationResult, PassRecord
 
     def result(ids, width, ms, spec):
@@ -144,7 +145,7 @@ def _state(std_ids, mtp_ids, strategy, quality=None, phase="done", std_ms=50.0, 
 
 
 def test_headline_states_speed_and_its_cost_in_one_sentence():
-    from app.runner import Quality
+    from app.quality import Quality
     from model.engine.strategies import confadapt, static_k, verify
 
     same = list(range(20))
@@ -181,7 +182,7 @@ def test_headline_states_speed_and_its_cost_in_one_sentence():
 
 
 def test_summary_holds_quality_parting_and_timing():
-    from app.runner import Quality
+    from app.quality import Quality
     from model.engine.strategies import static_k
 
     same = list(range(20))
@@ -204,7 +205,7 @@ def test_counters_follow_the_headlines_method_and_name_vllms_figures():
     """tok/s is tokens ÷ time s, time s is prefill + (passes − 1) × ms/pass; their ratio is the headline's. Lossless
     shows the mean acceptance length (eff. k), the draft acceptance rate and acceptance by position, named as
     vLLM / llama.cpp name them."""
-    from app.runner import Quality
+    from app.quality import Quality
     from model.engine.strategies import confadapt, verify
 
     same = list(range(30))
@@ -251,7 +252,7 @@ def test_a_slowdown_is_styled_as_one_and_a_headline_has_one_but():
     """"1.33× slower" never wears the success colour; a parted, less likely answer that also repeats reads
     "but … , and it degenerates …", never "but … , but …"."""
     from app import ui
-    from app.runner import Quality
+    from app.quality import Quality
     from model.engine.strategies import static_k
 
     same = list(range(20))

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from app import figures, render, ui
+from app import figures, outputs, render, ui
 from model.engine.decoding import generate
 from model.engine.strategies import confadapt, standard
 from tests.app.conftest import N_NEW, PROMPT, free_port
@@ -25,7 +25,7 @@ from tests.conftest import ROOT
 # ---------------------------------------------------------- the figure caption
 def test_figure_caption_names_every_colour_the_figure_uses():
     """Each colour a ConfAdapt / static k frame can draw has a swatch in the caption above the figure."""
-    caption = ui.figure_caption("ConfAdapt")
+    caption = outputs.figure_caption("ConfAdapt")
     for colour in (figures.FIRST, figures.KEPT, figures.CUT, figures.REJECTED):
         assert f"background:{colour}" in caption, colour
 
@@ -207,18 +207,32 @@ def test_api_outputs_are_plain_values(tiny_served):
     assert not raw_updates(out) and out["result"] == {"phase": "error",
                                                       "status": "The message is empty: type a question first."}
     assert out["message"] == "\u200b\u200b\u200d " and "The message is empty" in out["status"]
-    # one answer at a time: the second message is refused, plainly, and stays
+    # one answer at a time: a message sent meanwhile waits and is answered next; one more is refused and stays
     from app.ui import TURN_OUTPUTS
 
-    job = c.submit("Tell me a long story.", [], "ConfAdapt", 0.9, 4, 3, 400, "linear", api_name="/chat")
+    sessions = demo.mtp_sessions
+    job = c.submit("Tell me a long story.", [], "ConfAdapt", 0.9, 4, 3, 1000, "linear", api_name="/chat")
     deadline = time.time() + 60
-    while demo.mtp_sessions.current(c.session_hash) is None and time.time() < deadline:
+    while sessions.current(c.session_hash) is None and time.time() < deadline:
         time.sleep(0.02)
-    refused = ask(c, "What is 2 plus 2?")
+    waiting = c.submit("What is 2 plus 2?", [], "ConfAdapt", 0.9, 4, 3, 8, "linear", api_name="/chat")
+    while sessions.waiting(c.session_hash) < 1 and time.time() < deadline:
+        time.sleep(0.02)
+    also = c.submit("What is 2 plus 5?", [], "ConfAdapt", 0.9, 4, 3, 8, "linear", api_name="/chat")
+    while sessions.waiting(c.session_hash) < 2 and time.time() < deadline:
+        time.sleep(0.02)
+    refused = ask(c, "And 3 plus 3?")
     assert not raw_updates(refused) and refused["result"]["phase"] == "refused"
-    assert refused["message"] == "What is 2 plus 2?" and "Still answering" in refused["notice"]
+    assert refused["message"] == "And 3 plus 3?" and "already waits" in refused["notice"]
+    sessions.request_stop(c.session_hash)
     first = dict(zip(TURN_OUTPUTS, job.result()))
-    assert not raw_updates(first) and first["result"]["phase"] == "done"
+    second = dict(zip(TURN_OUTPUTS, waiting.result()))
+    assert not raw_updates(first) and first["result"]["phase"] == "stopped"
+    assert second["result"]["phase"] == "done"
+    assert second["result"]["turn"] == first["result"]["turn"] + 1  # the turn after the stopped one, with it
+    assert second["history"][: len(first["history"])] == first["history"]
+    third = dict(zip(TURN_OUTPUTS, also.result()))
+    assert third["result"]["turn"] == second["result"]["turn"] + 1
     # /load_model: (model info, status, k_max), plain also when the model cannot load
     info, status, k_max = c.predict("smollm2-135m", "tiny", "none", "auto", api_name="/load_model")
     assert "Loaded tiny" in status and k_max == 16 and "<code>tiny</code>" in info
@@ -302,13 +316,14 @@ def test_the_pages_figures_agree_on_a_loaded_cpu(client):
 def test_the_headline_updates_with_the_counters_while_streaming(tiny_registry):
     """Every update of a running turn that carries the counters carries the headline of the same state (it lagged
     them: it was drawn only when the figures were due)."""
-    from app.runner import prepare_turn, run_turn
+    from app.requests import TurnRequest
+    from app.turn import prepare_turn, run_turn
 
-    turn = prepare_turn(tiny_registry, "hi", [], "ConfAdapt", 0.9, 4, 3, 8, ("tiny", "none"))
+    turn = prepare_turn(tiny_registry, TurnRequest("hi", [], "ConfAdapt", 0.9, 4, 3, 8, ("tiny", "none")))
     running = [s for s in run_turn(turn) if not s.final and s.speed is not None]
     assert running
     for state in running:
-        out = dict(zip(ui.TURN_OUTPUTS, ui.turn_outputs(state, figures_due=False)))
+        out = dict(zip(ui.TURN_OUTPUTS, outputs.turn_outputs(state, figures_due=False)))
         assert out["stats_std"] == render.counters_html(state.standard, side="standard", label="standard",
                                                         state="done" if state.standard_done else "running",
                                                         timing=state.speed.standard)
@@ -359,9 +374,12 @@ def _request(session: str):
 
 
 def test_a_turn_starts_only_after_the_stopped_run_has_ended_and_recorded_its_answer(tiny_registry):
-    """The handler's order, step by step (no timing): a message sent while the session's run is stopping waits;
-    the run records its partial answer as it ends, in the same step; only then does the new turn start, and it
-    continues the conversation with the stopped turn in it."""
+    """The handler's order, step by step (no timing): a message sent while the session's run is going says it waits
+    (and takes the message out of the box only if the box still holds it); the run records its partial answer as
+    it ends, in the same step; only then does the new turn start, and it continues the conversation with the
+    stopped turn in it."""
+    import json
+
     from app import build_app
 
     demo = build_app(tiny_registry, preload=False)
@@ -373,22 +391,26 @@ def test_a_turn_starts_only_after_the_stopped_run_has_ended_and_recorded_its_ans
                {"role": "assistant", "content": "Once upon", "mtp": "Once upon a"}]
     running.record(stopped)
     outputs: list = []
-    started = threading.Event()
+    got = threading.Semaphore(0)
 
     def send():
         for out in chat("What next?", [], "ConfAdapt", 0.9, 4, 3, 4, "linear", key, _request("s")):
-            started.set()
             outputs.append(dict(zip(ui.TURN_OUTPUTS, out)))
+            got.release()
 
     sender = threading.Thread(target=send)
     sender.start()
-    assert not started.wait(0.5) and sessions.current("s") is running  # waits for the stopping run
+    assert got.acquire(timeout=60)  # the first update: the message waits
+    waiting = outputs[0]
+    assert "waits for the answer in progress" in waiting["notice"]
+    assert json.loads(waiting["message"])["clear"] == "What next?"  # the box's script clears only this message
+    assert not got.acquire(timeout=0.3) and sessions.current("s") is running  # nothing more until the run ends
     running.release()  # the run ends: its partial answer is recorded in the same step
     sender.join(timeout=60)
     last = outputs[-1]
     assert last["result"]["phase"] == "done" and last["result"]["turn"] == 2
     assert last["history"][:2] == stopped and last["history"][2] == {"role": "user", "content": "What next?"}
-    assert sessions.conversation("s", []) == last["history"]
+    assert sessions.conversation("s", [], page=True) == last["history"]
 
 
 def test_a_turn_that_ends_without_its_last_update_keeps_its_message(tiny_registry):
@@ -404,7 +426,7 @@ def test_a_turn_that_ends_without_its_last_update_keeps_its_message(tiny_registr
         next(gen)
     gen.close()  # closed mid-turn, before its final update
     assert sessions.current("s") is None
-    kept = sessions.conversation("s", [])
+    kept = sessions.conversation("s", [], page=True)
     assert kept[0] == {"role": "user", "content": "Tell me a long story."} and kept[1]["role"] == "assistant"
     outs = [dict(zip(ui.TURN_OUTPUTS, o)) for o in chat("And then?", [], "ConfAdapt", 0.9, 4, 3, 4, "linear", key,
                                                      _request("s"))]
@@ -416,4 +438,4 @@ def test_a_turn_that_ends_without_its_last_update_keeps_its_message(tiny_registr
     sessions.request_stop("s", "cleared")
     sessions.remember("s", [])
     gen.close()
-    assert sessions.conversation("s", []) == []
+    assert sessions.conversation("s", [], page=True) == []

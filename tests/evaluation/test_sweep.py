@@ -111,17 +111,6 @@ def test_answer_points_are_plain_values_both_ways():
         AnswerPoint.from_dict(dict(d, model_key="smollm2-135m"))
 
 
-def test_the_former_dict_reads_still_work_until_their_callers_move():
-    """Compatibility path (to remove): ``sweep["points"]``, ``point["name"]``, ``sweep.get("n_prompts")``."""
-    sweep = load_sweep(SHIPPED)
-    assert sweep["points"] == sweep.points and sweep.get("n_prompts") == 5 and sweep.get("nothing", 7) == 7
-    point = sweep["points"][-1]
-    assert point["strategy"] == "verify:4:full" and point["name"] == "verify" and point["tau"] is None
-    assert point["acceptance_by_position"] == list(point.acceptance_by_position)
-    with pytest.raises(KeyError):
-        point["layout"]  # only the file's keys
-
-
 def test_run_sweep_measures_standard_first_and_every_strategy_on_every_prompt(tiny_lm, tmp_path):
     seen = []
     sweep = run_sweep(tiny_lm, ["hi", "Name a colour."], [confadapt(0.5, 4), standard(), verify(4)],

@@ -1,0 +1,392 @@
+"""The page's behaviour: every event handler of the Gradio page as a method of :class:`Page`, testable without a
+browser (paper arXiv 2602.06019, sections 3.4 and 4.5). :mod:`app.ui` lays out the components and wires them to
+these methods; nothing here builds a component.
+
+A turn: :meth:`Page.chat` (the page) or :meth:`Page.chat_api` (API clients) takes the message's place in its
+session (:mod:`app.sessions`: it waits behind a turn still answering), then :meth:`Page.generate_turn` (on a
+ZeroGPU Space, in a GPU worker) prepares and runs it (:mod:`app.turn`) and turns its states into component updates
+(:mod:`app.outputs`). Bad input never raises into Gradio: it becomes a message in the page.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import gradio as gr
+
+from model.engine.loading import DEFAULT_SOURCE
+from model.errors import RequestError
+
+from . import figures, render
+from .device import WidthProfile, progress_of
+from .outputs import (
+    TURN_OUTPUTS,
+    box_command,
+    error_outputs,
+    idle_outputs,
+    notice_html,
+    outputs_of,
+    plain_outputs,
+    refused_outputs,
+    turn_outputs,
+)
+from .passes import SHARED, PassScheduler
+from .quality import answer_point
+from .registry import ModelRegistry
+from .requests import TurnRequest, app_k_max, check_message, k_max_limit, parse_history, parse_source
+from .sessions import SessionRuns, stop_requested
+from .turn import history_after, prepare_turn, run_turn
+from .zerogpu import GPU_SWEEP_SECONDS, gpu_seconds, on_gpu, zero_gpu
+
+log = logging.getLogger(__name__)
+
+EXAMPLES_FILE = Path(__file__).resolve().parent.parent / "assets" / "examples.json"
+#: Seconds between re-renders of the figures while answers stream.
+FIGURE_EVERY_S = float(os.environ.get("MTP_APP_FIGURE_EVERY_S", "0.6"))
+#: Seconds between updates of the panes and counters while answers stream.
+PANE_EVERY_S = float(os.environ.get("MTP_APP_PANE_EVERY_S", "0.12"))
+
+
+def load_examples(path: Path = EXAMPLES_FILE) -> list[str]:
+    """Example prompts from ``assets/examples.json`` (a list of ``{"kind", "prompt"}``)."""
+    try:
+        return [e["prompt"] for e in json.loads(path.read_text())]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ["What is 12 times 7? Think step by step."]
+
+
+def session_of(request: Any) -> str | None:
+    """The page session of a Gradio request (None for a call without one)."""
+    return getattr(request, "session_hash", None)
+
+
+class Page:
+    """What the page does, one method per event (module docstring).
+
+    Args:
+        registry: where models are loaded and cached (a fresh :class:`~app.registry.ModelRegistry` by default).
+        sessions: the sessions' turns and records (a fresh :class:`~app.sessions.SessionRuns` by default).
+        passes: where every forward pass runs (:data:`app.passes.SHARED` by default).
+        preload: load the default model now and measure its width profile (so the first answer waits for
+            neither, and the page can say what this device does to MTP's speed before it).
+    """
+
+    def __init__(self, registry: ModelRegistry | None = None, sessions: SessionRuns | None = None,
+                 passes: PassScheduler | None = None, *, preload: bool = True):
+        self.registry = registry or ModelRegistry()
+        self.sessions = sessions or SessionRuns()
+        self.passes = passes or SHARED
+        self.facts = self.registry.facts
+        self.zero_gpu = zero_gpu()
+        self.examples = load_examples()
+        self.default_key = ModelRegistry.key(DEFAULT_SOURCE, "none")
+        self.default_k_max = app_k_max()
+        self.default_info = ""
+        if preload:
+            self._preload()
+        # On a ZeroGPU Space these run in a GPU worker, with a GPU for about as long as they can take.
+        self.generate = on_gpu(self.generate_turn, gpu_seconds)
+        self.sweep = on_gpu(self.sweep_gpu, GPU_SWEEP_SECONDS)
+
+    def _preload(self) -> None:
+        try:
+            lm = self.registry.get(*self.default_key)
+            self.default_info = render.model_html(lm)
+            self.default_k_max = app_k_max(lm.default_k_max)
+            if not self.zero_gpu:  # on ZeroGPU the GPU exists only inside a turn: measured there on first use
+                self.facts.profile(self.default_key, lm)
+        except RequestError as e:
+            self.default_info = render.status_html(str(e), kind="error")
+
+    # ------------------------------------------------------------ what the model trades here
+    def key_of(self, key: Any) -> tuple:
+        """A model key from the page's state (the default model's when empty)."""
+        return tuple(key or self.default_key)
+
+    def loaded(self, key: Any) -> Any:
+        """The loaded model of ``key`` if it is loaded (never loads one)."""
+        key = self.key_of(key)
+        return self.registry.get(*key) if key in self.registry.loaded() else None
+
+    def help_html(self, choice: Any, key: Any, k_max_value: Any, shape_choice: Any) -> str:
+        """The strategy's help line; for lossless, with the shape this device runs at the k_max box's value."""
+        line = ""
+        lm = self.loaded(key)
+        if choice == "lossless" and lm is not None:
+            key = self.key_of(key)
+            limit = k_max_limit(k_max_value, app_k_max(lm.default_k_max))
+            shape_choice = str(shape_choice or "fastest here")
+            shape = self.facts.shape(key, lm, limit, measure=False) if shape_choice == "fastest here" else None
+            line = render.shape_text(shape, self.facts.profile(key), shape_choice, limit,
+                                     self.facts.profile_error(key))
+        return render.strategy_help_html(str(choice or "ConfAdapt"), line)
+
+    def fastest(self, key: Any) -> Any:
+        """The fastest lossless shape for the model's own k_max (the device note's offer), or None."""
+        lm = self.loaded(key)
+        return None if lm is None else self.facts.shape(self.key_of(key), lm, app_k_max(lm.default_k_max),
+                                                         measure=False)
+
+    def device_outputs(self, key: Any) -> tuple:
+        """(device note, its button)."""
+        best = self.fastest(key)
+        note = render.device_note_html(self.facts.profile(self.key_of(key)), best)
+        k = best.k_max if best is not None else 1
+        return note, gr.update(visible=bool(note), value=f"Use the fastest lossless setting here (k_max {k})")
+
+    def tradeoff_fig(self, key: Any, tau_value: Any, k_max_value: Any, choice: Any, session: str | None):
+        """The trade-off figure: the checkpoint's sweep, the current tau and this session's answers."""
+        key = self.key_of(key)
+        sweep, source = self.facts.sweep(key, self.loaded(key))
+        return figures.tradeoff_figure(sweep, tau=tau_value if choice == "ConfAdapt" else None,
+                                       k_max=k_max_limit(k_max_value, None), answers=self.sessions.points(session, key),
+                                       source=source)
+
+    def measure_visible(self, key: Any) -> Any:
+        """The Measure button shows while the model has no sweep."""
+        key = self.key_of(key)
+        return gr.update(visible=self.facts.sweep(key, self.loaded(key))[0] is None)
+
+    # ------------------------------------------------------------ a turn
+    def generate_turn(self, request: TurnRequest) -> Iterator[tuple]:
+        """Prepare and run a turn, rendering its states. Yields ``(outputs, final, history after, extra)`` (the
+        history with this turn's partial answers while it runs; None when the turn could not start), ``extra``
+        the plain values the main process keeps: the finished answer's trade-off point and the model's width
+        profile (measured here on first use on ZeroGPU). ``request.stream`` False renders the first and the final
+        state only. On a ZeroGPU Space this runs in a GPU worker (arguments and yields pickled); Stop / Clear reach
+        it through the run's stop flag file, polled before every forward pass."""
+        try:
+            turn = prepare_turn(self.registry, request)
+        except RequestError as e:
+            yield error_outputs(str(e)), True, None, {}
+            return
+        except Exception as e:  # noqa: BLE001 - never a traceback in the page
+            log.exception("preparing a turn failed")
+            yield error_outputs(f"Could not start this turn: {type(e).__name__}: {e}"), True, None, {}
+            return
+        last_pane = last_fig = -1e9
+        fig_every, first = FIGURE_EVERY_S, True
+        for state in run_turn(turn, lambda: stop_requested(request.run_id), passes=self.passes):
+            now = time.perf_counter()
+            if not (first or state.final or (request.stream and now - last_pane >= PANE_EVERY_S)):
+                continue
+            due = now - last_fig >= fig_every
+            with self.passes.lock:  # no forward pass of any session runs while this renders
+                out = turn_outputs(state, figures_due=due, first=first)
+            last_pane, first = now, False
+            if due:  # the figures grow with the answer: rendering takes at most a quarter of the time
+                last_fig = now
+                fig_every = max(FIGURE_EVERY_S, 3 * (time.perf_counter() - now))
+            extra = {}
+            if state.final:
+                prof = self.facts.profile(turn.model_key)
+                extra = {"point": answer_point(state), "profile": prof.to_dict() if prof else None}
+            yield out, state.final, history_after(state), extra
+
+    def turn_updates(self, request: TurnRequest, session: str | None, *, page: bool) -> Iterator[tuple]:
+        """A turn in its session, as :data:`~app.outputs.TURN_OUTPUTS` tuples: the message waits behind the
+        session's turn still answering (a notice says so), then runs as the session's next turn, continuing its
+        conversation as recorded (``page``; an API client's history otherwise, see
+        :meth:`~app.sessions.SessionRuns.conversation`)."""
+        try:
+            check_message(request.message)  # an empty message never takes a place in the queue
+        except RequestError as e:
+            yield error_outputs(str(e))
+            return
+        ticket = self.sessions.enter(session)
+        if ticket is None:
+            yield refused_outputs("One message already waits for the answer in progress; this one stays in the "
+                                  "box. Send it when that answer has started, or press Stop.")
+            return
+        with ticket:
+            if not ticket.started.is_set():
+                running = self.sessions.current(session)
+                n = f" (turn {running.turn_number})" if running is not None and running.turn_number else ""
+                yield outputs_of(message="", notice=notice_html(
+                    f"Your message waits for the answer in progress{n} to end and is answered next; Stop ends "
+                    "that answer now."))
+                ticket.wait_turn()
+            try:
+                sent = parse_history(request.history)
+            except RequestError as e:
+                yield error_outputs(str(e))
+                return
+            conversation = self.sessions.conversation(session, sent, page=page)
+            ticket.turn_number = sum(1 for m in conversation if m["role"] == "user") + 1
+            request = request.with_(history=conversation, run_id=ticket.run_id, model_key=self.key_of(request.key))
+            yield from self._run_ticket(request, ticket, session)
+
+    def _run_ticket(self, request: TurnRequest, ticket: Any, session: str | None) -> Iterator[tuple]:
+        """The turn's updates; the conversation is recorded on the ticket as it goes (kept when the run ends)."""
+        for out, final, after, extra in self.generate(request):
+            if after is not None:
+                ticket.record(after)
+            if final:
+                self._keep_extra(request.key, session, extra)
+                out = list(out)
+                out[TURN_OUTPUTS.index("tradeoff")] = self.tradeoff_fig(request.key, request.tau, request.k_max,
+                                                                        request.strategy, session)
+                out = tuple(out)
+            if not final and ticket.stop_reason() is not None:
+                continue  # Stop / Clear already answered the page: a late running update must not undo it
+            yield out
+
+    def _keep_extra(self, key: tuple, session: str | None, extra: dict) -> None:
+        if extra.get("profile") and self.facts.profile(key) is None:
+            self.facts.put_profile(key, WidthProfile.from_dict(extra["profile"]))
+        if extra.get("point"):
+            self.sessions.add_point(session, extra["point"])
+
+    def chat(self, message, history, strategy, tau, k_max, k, max_new_tokens, shape, model_key,
+             request: gr.Request = None) -> Iterator[tuple]:
+        """The page's Send / Enter: the turn's updates, the message box changed only by command
+        (:func:`~app.outputs.box_command`: a message the user typed since is never replaced)."""
+        turn = TurnRequest(message, history, strategy, tau, k_max, k, max_new_tokens, model_key, shape)
+        sent = "" if message is None else str(message)
+        for out in self.turn_updates(turn, session_of(request), page=True):
+            yield (box_command(out[0], sent),) + tuple(out[1:])
+
+    def chat_api(self, message: str, history: list, strategy: str, tau: float, k_max: int, k: int,
+                 max_new_tokens: int, shape: str, model_key: Any, request: gr.Request = None) -> tuple:
+        """Answer one chat message with standard decoding and an MTP strategy side by side (MCP tool and /chat).
+
+        Args:
+            message: the user's message.
+            history: the conversation so far: ``[{"role": "user"|"assistant", "content": str}, ...]`` or
+                ``[user, assistant]`` pairs; [] for a new chat.
+            strategy: the MTP side's strategy: "ConfAdapt", "static k" or "lossless".
+            tau: ConfAdapt's confidence threshold, 0 to 1 (0.9 keeps answers close to standard decoding).
+            k_max: most tokens per forward pass (lossless: the upper bound), 1 to 32.
+            k: static k's tokens per pass, 1 to 32.
+            max_new_tokens: most tokens per answer, 1 to 1024.
+            shape: lossless only: "fastest here", "linear", "full tree" or mask-block prefixes such as "0/1/3".
+            model_key: [source, quantization, precision], e.g. ["smollm2-135m", "none", "auto"].
+
+        Returns:
+            Every output of :data:`~app.outputs.TURN_OUTPUTS` as a plain value; ``result`` holds the figures as
+            JSON (both answers, tokens per second, forward passes, effective k, the speedup).
+        """
+        start = {name: None for name in TURN_OUTPUTS}
+        start.update(message=message, history=history if isinstance(history, list) else [], notice="", status="",
+                     speed="", table="")
+        turn = TurnRequest(message, history, strategy, tau, k_max, k, max_new_tokens, model_key, shape, stream=False)
+        return plain_outputs(self.turn_updates(turn, session_of(request), page=False), start)
+
+    def stop(self, request: gr.Request = None):
+        """Stop: the session's running answer ends before its next pass (a waiting message then starts)."""
+        if self.sessions.request_stop(session_of(request), "stopped"):
+            return gr.skip()  # the run ends before its next pass and says so itself
+        return notice_html("Nothing is running.")
+
+    def clear(self, strategy_choice, request: gr.Request = None):
+        """Clear: the running answer ends and the conversation starts anew (all outputs but the message box)."""
+        session = session_of(request)
+        self.sessions.request_stop(session, "cleared")
+        self.sessions.remember(session, [])
+        return idle_outputs([], "Cleared: a new conversation starts with your next message.",
+                            strategy_choice=strategy_choice)[1:]
+
+    # ------------------------------------------------------------ controls
+    def on_strategy(self, choice, key, k_max_value, shape_choice, tau_value, request: gr.Request = None):
+        """The strategy changed: which controls show, the help line and the trade-off figure."""
+        return (gr.update(visible=choice == "ConfAdapt"), gr.update(visible=choice in ("ConfAdapt", "lossless")),
+                gr.update(visible=choice == "static k"), gr.update(visible=choice == "lossless"),
+                self.help_html(choice, key, k_max_value, shape_choice),
+                self.tradeoff_fig(key, tau_value, k_max_value, choice, session_of(request)))
+
+    def on_controls(self, choice, key, k_max_value, shape_choice, tau_value, request: gr.Request = None):
+        """k_max or the shape changed: the help line and the trade-off figure (cheap: no model call)."""
+        return (self.help_html(choice, key, k_max_value, shape_choice),
+                self.tradeoff_fig(key, tau_value, k_max_value, choice, session_of(request)))
+
+    def on_tau(self, choice, key, k_max_value, tau_value, request: gr.Request = None):
+        """The tau slider moved: only the trade-off figure's marker is redrawn."""
+        return self.tradeoff_fig(key, tau_value, k_max_value, choice, session_of(request))
+
+    def use_fastest(self, key):
+        """The device note's button: lossless at the fastest shape here."""
+        best = self.fastest(key)
+        return "lossless", best.k_max if best is not None else 1, "fastest here"
+
+    # ------------------------------------------------------------ models
+    def load(self, choice, local_path, quantization, precision):
+        """(key, model) or a RequestError. Measures the width profile of a newly loaded model."""
+        key = ModelRegistry.key(parse_source(choice, local_path), quantization, precision)
+        lm = self.registry.get(*key)
+        if not self.zero_gpu:
+            self.facts.profile(key, lm)
+        return key, lm
+
+    def load_model(self, choice, local_path, quantization, precision, model_key, strategy_choice, shape_choice,
+                   tau_value, request: gr.Request = None):
+        """Load model: the model's info, k_max, device note and figures; an error keeps the current model."""
+        try:
+            key, lm = self.load(choice, local_path, quantization, precision)
+        except RequestError as e:
+            text = f"{e} Still using {self.key_of(model_key)[0]}."
+            return (model_key, gr.skip(), render.status_html(text, kind="error")) + (gr.skip(),) * 6
+        k = app_k_max(lm.default_k_max)
+        note, button = self.device_outputs(key)
+        return (key, render.model_html(lm, key[1]), render.status_html(f"Loaded {key[0]}."), k, note, button,
+                self.help_html(strategy_choice, key, k, shape_choice),
+                self.tradeoff_fig(key, tau_value, k, strategy_choice, session_of(request)), self.measure_visible(key))
+
+    def load_model_api(self, choice: str, local_path: str, quantization: str, precision: str, model_key: Any
+                       ) -> tuple:
+        """/load_model for API clients: (model key, model info, status, k_max), every output a plain value."""
+        try:
+            key, lm = self.load(choice, local_path, quantization, precision)
+            return key, render.model_html(lm, key[1]), render.status_html(f"Loaded {key[0]}."), \
+                app_k_max(lm.default_k_max)
+        except RequestError as e:
+            key = self.key_of(model_key)
+            lm = self.loaded(key)
+            info = render.model_html(lm, key[1]) if lm is not None else ""
+            k = app_k_max(lm.default_k_max) if lm is not None else self.default_k_max
+            return key, info, render.status_html(f"{e} Still using {key[0]}.", kind="error"), k
+
+    # ------------------------------------------------------------ the trade-off
+    def sweep_gpu(self, model_key) -> Iterator[tuple]:
+        """Measure the trade-off (the GPU part): yields ``("progress", (done, total))``, then ``("result", sweep)``
+        or ``("error", message)``; plain values only (a ZeroGPU worker pickles them)."""
+        key = self.key_of(model_key)
+        try:
+            lm = self.registry.get(*key)
+        except RequestError as e:
+            yield "error", str(e)
+            return
+        for kind, value in progress_of(lambda cb: self.facts.measure_sweep(key, lm, self.examples, on_progress=cb)):
+            if kind == "error":
+                log.error("measuring the trade-off failed: %r", value)
+                value = f"{type(value).__name__}: {value}"
+            yield kind, value
+
+    def measure(self, model_key, tau_value, k_max_value, strategy_choice, shape_choice, request: gr.Request = None,
+                progress=gr.Progress()):
+        """Measure the trade-off: the figure, the status, the button, the help line and the device note."""
+        key = self.key_of(model_key)
+        progress(0.0, desc="measuring the trade-off")
+        t0 = time.perf_counter()
+        for kind, value in self.sweep(key):
+            if kind == "progress":
+                done, total = value
+                progress(done / max(total, 1), desc=f"{done} of {total} answers")
+            elif kind == "result":
+                self.facts.put_sweep(key, value)
+                text = (f"Measured the trade-off on {value.n_prompts} example prompts "
+                        f"({value.max_new_tokens} tokens each) in {time.perf_counter() - t0:.0f} s.")
+                note, button = self.device_outputs(key)
+                return (self.tradeoff_fig(key, tau_value, k_max_value, strategy_choice, session_of(request)),
+                        render.status_html(text), self.measure_visible(key),
+                        self.help_html(strategy_choice, key, k_max_value, shape_choice), note, button)
+            else:
+                return (gr.skip(), render.status_html(f"Measuring the trade-off failed: {value}", kind="error"),
+                        *(gr.skip(),) * 4)
+        return (gr.skip(), render.status_html("Measuring the trade-off ended without a result.", kind="error"),
+                *(gr.skip(),) * 4)
+

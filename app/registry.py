@@ -1,0 +1,89 @@
+"""The models the page serves: loaded once, cached per ``(source, quantization, precision)``, with what each
+trades on this device (:class:`app.device.ModelFacts`)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from typing import Any, Callable
+
+from model.engine.loaded_model import LoadedModel
+from model.engine.loading import DEFAULT_SOURCE, load_checkpoint
+from model.errors import CheckpointError, RequestError
+
+from .device import ModelFacts
+from .passes import exclusive
+from .requests import PRECISIONS, QUANTIZATIONS
+
+log = logging.getLogger(__name__)
+
+
+class ModelRegistry:
+    """Models loaded once and cached per ``(source, quantization, precision)`` (least recently used first out),
+    with what each trades on this device (:attr:`facts`: width profile, lossless shape, sweep).
+
+    Args:
+        loader: the engine's :func:`model.engine.loading.load_checkpoint` (or a compatible callable).
+        capacity: how many models stay loaded.
+        lock: what the width and trade-off measurements hold pass by pass (the page's pass lock,
+            :func:`app.passes.exclusive`, by default).
+    """
+
+    def __init__(self, loader: Callable[..., LoadedModel] = load_checkpoint, capacity: int = 2,
+                 lock: threading.Lock | None = None):
+        self._loader = loader
+        self._capacity = max(1, capacity)
+        #: Width profiles and sweeps of the models, per key (:class:`app.device.ModelFacts`).
+        self.facts = ModelFacts(lock if lock is not None else exclusive())
+        self._models: OrderedDict[tuple[str, str, str], LoadedModel] = OrderedDict()
+        self._lock = threading.Lock()
+        self._loading: dict[tuple[str, str, str], threading.Lock] = {}
+
+    @staticmethod
+    def key(source: Any, quantization: Any = "none", precision: Any = "auto") -> tuple[str, str, str]:
+        """Cache key ``(source, quantization, precision)``; raises RequestError for an unknown
+        quantization or precision."""
+        q = str(quantization or "none").strip().lower()
+        if q not in QUANTIZATIONS:
+            raise RequestError(f"Unknown quantization {quantization!r}: use {', '.join(QUANTIZATIONS)}.")
+        p = str(precision or "auto").strip().lower()
+        if p not in PRECISIONS:
+            raise RequestError(f"Unknown precision {precision!r}: use {', '.join(PRECISIONS)}.")
+        return (str(source or "").strip() or DEFAULT_SOURCE, q, p)
+
+    def get(self, source: Any, quantization: Any = "none", precision: Any = "auto") -> LoadedModel:
+        """The loaded model for ``source`` (loading it on first use).
+
+        A slow load (a hub checkpoint) only blocks requests for that same model; sessions on
+        models already loaded keep generating.
+
+        Raises:
+            RequestError: the source cannot be loaded (message from the engine).
+        """
+        key = self.key(source, quantization, precision)
+        with self._lock:
+            if key in self._models:
+                self._models.move_to_end(key)
+                return self._models[key]
+            key_lock = self._loading.setdefault(key, threading.Lock())
+        with key_lock:
+            with self._lock:
+                if key in self._models:  # loaded by another request meanwhile
+                    return self._models[key]
+            try:
+                lm = self._loader(key[0], quantization=None if key[1] == "none" else key[1], dtype=key[2])
+            except CheckpointError as e:
+                raise RequestError(str(e)) from None
+            except Exception as e:  # noqa: BLE001 - anything a loader raises becomes a page message
+                log.exception("loading %s failed", key)
+                raise RequestError(f"Could not load {key[0]!r}: {type(e).__name__}: {e}") from None
+            with self._lock:
+                self._models[key] = lm
+                while len(self._models) > self._capacity:
+                    self._models.popitem(last=False)
+            return lm
+
+    def loaded(self) -> list[tuple[str, str, str]]:
+        """Keys of the models currently loaded."""
+        return list(self._models)

@@ -1,0 +1,237 @@
+"""The page's sessions: one turn at a time each, in the order their messages came, and what each keeps.
+
+A message sent while the session's previous turn is still answering is not refused: it **waits** for that turn
+to end (Stop ends it at once) and then runs as the next turn, continuing the conversation with the previous
+turn in it, however that turn ended. This is an ordering, not a timeout: :meth:`SessionRuns.enter` queues the
+message, :meth:`RunTicket.wait_turn` returns only once the previous run has ended and recorded its conversation
+(:meth:`RunTicket.record`, in the same step as its end). At most :data:`MAX_WAITING` messages wait per session
+(one more while its turn is stopping); one more is refused and stays in the box. Clear ends the running turn and empties the conversation; a message
+already waiting then starts the new conversation (it was sent, so it is answered, never dropped).
+
+Stop and Clear reach a run through its ticket, in this process, and through a flag file
+(:func:`stop_requested`) in any other process on the machine (a ZeroGPU worker is a fork of this one).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import uuid
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Sequence
+
+from model.evaluation.sweep import AnswerPoint
+
+log = logging.getLogger(__name__)
+
+#: Where Stop / Clear leave their flag for a run (one file per run). The generation may run in another
+#: process (a ZeroGPU worker is a fork of this one): a file on the same machine reaches it there, which a
+#: flag in this process's memory would not. Fixed at import, so forked workers share it.
+STOP_DIR = Path(tempfile.gettempdir()) / f"mtp-lens-stop-{os.getpid()}"
+#: Conversations the server keeps (one per recent session); the oldest session is forgotten first.
+MAX_SESSIONS_KEPT = 256
+#: Answer points kept per session (the trade-off figure).
+MAX_POINTS_KEPT = 200
+#: Messages that may wait per session behind its running turn (one more while that turn is stopping).
+MAX_WAITING = 2
+
+
+def stop_requested(run_id: str) -> str | None:
+    """``"stopped"`` / ``"cleared"`` once Stop / Clear reached run ``run_id`` (from any process), else None."""
+    try:
+        return (STOP_DIR / run_id).read_text().strip() or "stopped"
+    except OSError:
+        return None
+
+
+class RunTicket:
+    """One message's place in its session: it waits (:meth:`wait_turn`), runs, and ends (:meth:`release`).
+
+    Attributes:
+        run_id: names the run's stop flag (:func:`stop_requested`), for a generation in another process.
+        session: the page session it belongs to.
+        turn_number: set once the turn is prepared.
+        started: set when the ticket became the session's run.
+        ended: set when the run ended (its conversation recorded).
+    """
+
+    def __init__(self, runs: "SessionRuns", session: str):
+        self._runs, self.session = runs, session
+        self.run_id = uuid.uuid4().hex
+        self._reason: str | None = None
+        self.started = threading.Event()
+        self.ended = threading.Event()
+        self.turn_number: int | None = None
+        self._conversation: list[dict] | None = None
+
+    def wait_turn(self, timeout: float | None = None) -> bool:
+        """Block until this ticket is the session's run (the previous run has ended and recorded its
+        conversation). True once it is; False after ``timeout`` seconds (None: no limit)."""
+        return self.started.wait(timeout)
+
+    def stop_reason(self) -> str | None:
+        """``"stopped"`` / ``"cleared"`` once Stop / Clear was pressed, else None (pass to run_turn)."""
+        return self._reason
+
+    def request_stop(self, reason: str = "stopped") -> None:
+        """Ask the run to end before its next pass (Clear wins over Stop), in this process and in any
+        other process that polls :func:`stop_requested`."""
+        if self._reason != "cleared":
+            self._reason = reason
+        try:
+            STOP_DIR.mkdir(parents=True, exist_ok=True)
+            (STOP_DIR / self.run_id).write_text(self._reason or reason)
+        except OSError as e:  # a read-only temp dir: the in-process flag still works
+            log.warning("could not write the stop flag of run %s: %s", self.run_id, e)
+
+    def record(self, history: list[dict]) -> None:
+        """The conversation with this run's turn in it so far (its message and partial answers; the final one at
+        its end): kept for the session when the run ends (:meth:`release`), in the same step, so that the next
+        turn, which starts only then, continues it."""
+        self._conversation = list(history)
+
+    def release(self) -> None:
+        """End the run, or leave the queue if it never ran (idempotent); the next waiting message starts."""
+        self._runs._release(self)
+        try:
+            (STOP_DIR / self.run_id).unlink(missing_ok=True)
+        except OSError:
+            pass
+
+    def __enter__(self) -> "RunTicket":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+class SessionRuns:
+    """Each session's running turn, the messages waiting behind it, its conversation as the server saw it end,
+    and its trade-off points (module docstring). Bounded: :data:`MAX_SESSIONS_KEPT` sessions,
+    :data:`MAX_POINTS_KEPT` points each, :data:`MAX_WAITING` waiting messages each."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[str, list[RunTicket]] = {}  # running ticket first, then the waiting ones
+        self._conversations: OrderedDict[str, list[dict]] = OrderedDict()
+        self._points: OrderedDict[str, list[dict]] = OrderedDict()
+
+    def enter(self, session: str | None) -> RunTicket | None:
+        """A ticket for a new message in ``session``: already started when the session is idle, else waiting
+        behind its run (see :meth:`RunTicket.wait_turn`). None when :data:`MAX_WAITING` messages wait already (one
+        more while the running turn is stopping: a message sent right after Stop is never refused).
+        ``session`` None (an API client without a session) is never queued."""
+        if session is None:
+            ticket = RunTicket(self, f"anonymous-{uuid.uuid4().hex}")
+            ticket.started.set()
+            return ticket
+        with self._lock:
+            queue = self._queues.setdefault(session, [])
+            stopping = bool(queue) and queue[0].stop_reason() is not None
+            if len(queue) - 1 >= MAX_WAITING + stopping:
+                return None
+            ticket = RunTicket(self, session)
+            queue.append(ticket)
+            if len(queue) == 1:
+                ticket.started.set()
+            return ticket
+
+    def begin(self, session: str | None) -> RunTicket | None:
+        """A started ticket when the session is idle, else None (never waits; tests and tools)."""
+        with self._lock:
+            if session is not None and self._queues.get(session):
+                return None
+        return self.enter(session)
+
+    def current(self, session: str | None) -> RunTicket | None:
+        """The session's running ticket, if any."""
+        with self._lock:
+            queue = self._queues.get(session) if session is not None else None
+            return queue[0] if queue else None
+
+    def waiting(self, session: str | None) -> int:
+        """Messages of the session waiting behind its running turn."""
+        with self._lock:
+            return max(0, len(self._queues.get(session, ())) - 1) if session is not None else 0
+
+    def request_stop(self, session: str | None, reason: str = "stopped") -> bool:
+        """Ask the session's running turn to end (``"stopped"`` or ``"cleared"``); False if none runs. Waiting
+        messages are not touched: the next one starts when the run has ended."""
+        ticket = self.current(session)
+        if ticket is None:
+            return False
+        ticket.request_stop(reason)
+        return True
+
+    def remember(self, session: str | None, history: list[dict]) -> None:
+        """Keep the session's conversation after a turn (or Clear); the oldest sessions go first."""
+        if session is None:
+            return
+        with self._lock:
+            self._keep(session, history)
+
+    def _keep(self, session: str, history: list[dict]) -> None:
+        """:meth:`remember` with the lock held."""
+        self._conversations[session] = list(history)
+        self._conversations.move_to_end(session)
+        while len(self._conversations) > MAX_SESSIONS_KEPT:
+            self._conversations.popitem(last=False)
+
+    def conversation(self, session: str | None, sent: list[dict], *, page: bool = False) -> list[dict]:
+        """The conversation a new turn continues. The page's own turns (``page``) continue the server's record of
+        the session whenever it has one: it is recorded as each turn ends, so it holds turns the page has not
+        shown yet and is empty after Clear. An API client's turn continues what it sent, unless the server's
+        record is longer and starts with it."""
+        with self._lock:
+            known = self._conversations.get(session) if session is not None else None
+        if known is None:
+            return sent
+        if page or (len(known) > len(sent) and _same_messages(known[: len(sent)], sent)):
+            return list(known)
+        return sent
+
+    def add_point(self, session: str | None, point: AnswerPoint) -> None:
+        """Keep a finished answer's point for the session's trade-off figure (:func:`app.quality.answer_point`)."""
+        if session is None:
+            return
+        with self._lock:
+            points = self._points.setdefault(session, [])
+            points.append(point)
+            del points[:-MAX_POINTS_KEPT]
+            self._points.move_to_end(session)
+            while len(self._points) > MAX_SESSIONS_KEPT:
+                self._points.popitem(last=False)
+
+    def points(self, session: str | None, model_key: Sequence[str] | None = None) -> list[AnswerPoint]:
+        """The session's answer points, oldest first (those of ``model_key`` only, when given)."""
+        with self._lock:
+            points = list(self._points.get(session, [])) if session is not None else []
+        if model_key is not None:
+            points = [p for p in points if tuple(p.model_key) == tuple(model_key)]
+        return points
+
+    def _release(self, ticket: RunTicket) -> None:
+        """End a run (recording its conversation first, in the same step) and start the next waiting message; or
+        take a ticket that never ran out of the queue."""
+        with self._lock:
+            queue = self._queues.get(ticket.session, [])
+            if ticket in queue:
+                if queue[0] is ticket and ticket.started.is_set():
+                    if ticket.stop_reason() == "cleared":
+                        self._keep(ticket.session, [])
+                    elif ticket._conversation is not None:
+                        self._keep(ticket.session, ticket._conversation)
+                queue.remove(ticket)
+                if queue:
+                    queue[0].started.set()
+                else:
+                    del self._queues[ticket.session]
+            ticket._conversation = None
+        ticket.ended.set()
+
+
+def _same_messages(a: Sequence[dict], b: Sequence[dict]) -> bool:
+    return [(m["role"], m["content"]) for m in a] == [(m["role"], m["content"]) for m in b]

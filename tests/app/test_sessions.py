@@ -1,0 +1,71 @@
+"""Sessions (app/sessions.py): one turn at a time per session, in the order the messages came; what a turn that
+ends (however it ends) leaves for the next; Stop and Clear. Every step is checked in order, never against the
+clock."""
+
+from __future__ import annotations
+
+from app.sessions import MAX_WAITING, SessionRuns
+
+STOPPED = [{"role": "user", "content": "Tell me a story."},
+           {"role": "assistant", "content": "Once upon", "mtp": "Once upon a"}]
+
+
+def test_a_message_sent_while_a_turn_runs_waits_for_it_in_order():
+    runs = SessionRuns()
+    first = runs.enter("s1")
+    assert first.started.is_set() and runs.current("s1") is first
+    second = runs.enter("s1")  # sent while the first answers: it waits, it is not refused
+    assert second is not None and not second.started.is_set() and runs.waiting("s1") == 1
+    more = [runs.enter("s1") for _ in range(MAX_WAITING - 1)]
+    assert runs.enter("s1") is None and MAX_WAITING == 2  # one more than may wait: refused (stays in the box)
+    first.request_stop()
+    extra = runs.enter("s1")  # ... but never right after Stop
+    assert extra is not None and runs.enter("s1") is None
+    for t in more + [extra]:
+        t.release()  # their pages went away
+    other = runs.enter("s2")
+    assert other.started.is_set()  # other sessions are independent
+    first.record(STOPPED)
+    first.release()  # the run ends: its conversation is kept and the waiting message starts, in one step
+    assert second.started.is_set() and first.ended.is_set() and runs.current("s1") is second
+    assert runs.conversation("s1", [], page=True) == STOPPED
+    second.release()
+    other.release()
+    assert runs.current("s1") is None and runs.waiting("s1") == 0
+
+
+def test_stop_ends_the_running_turn_only_and_clear_wins_over_stop():
+    runs = SessionRuns()
+    first, waiting = runs.enter("s"), runs.enter("s")
+    assert runs.request_stop("s") and first.stop_reason() == "stopped" and waiting.stop_reason() is None
+    runs.request_stop("s", "cleared")
+    runs.request_stop("s", "stopped")
+    assert first.stop_reason() == "cleared"
+    first.record(STOPPED)
+    runs.remember("s", [])
+    first.release()  # a cleared run keeps no conversation; the waiting message starts the new one
+    assert waiting.started.is_set() and runs.conversation("s", STOPPED, page=True) == []
+    waiting.release()
+    assert not runs.request_stop("s") and runs.enter(None).started.is_set()
+
+
+def test_a_waiting_message_that_leaves_never_blocks_the_next():
+    runs = SessionRuns()
+    first, waiting = runs.enter("s"), runs.enter("s")
+    waiting.release()  # its page went away while it waited
+    assert waiting.ended.is_set() and runs.waiting("s") == 0 and runs.current("s") is first
+    third = runs.enter("s")
+    first.release()
+    assert third.started.is_set()
+    third.release()
+
+
+def test_the_page_continues_the_servers_record_and_an_api_client_its_own_history():
+    runs = SessionRuns()
+    runs.remember("s", STOPPED)
+    other = [{"role": "user", "content": "A different chat."}, {"role": "assistant", "content": "Yes."}]
+    assert runs.conversation("s", [], page=True) == STOPPED  # the page had not shown the last turn yet
+    assert runs.conversation("s", other, page=True) == STOPPED  # the server's record is the session's
+    assert runs.conversation("s", other) == other  # an API client's own history
+    assert runs.conversation("s", STOPPED[:1]) == STOPPED  # ... unless the record extends it
+    assert runs.conversation("new", other, page=True) == other  # no record yet
