@@ -76,7 +76,8 @@ def idle_outputs(history: list[dict], status: str = "", *, kind: str = "info", n
 
 
 def turn_outputs(state: TurnState, *, figures_due: bool, first: bool = False) -> tuple:
-    """Component updates for a runner state (figures only when due; the message box cleared once; the
+    """Component updates for a turn state (figures only when due; the message taken once, ``""``, which the page
+    turns into a box command, :func:`box_command`; the
     trade-off figure is the session's, drawn by the caller)."""
     if state.phase == "cleared":
         text, _ = render.turn_status(state)

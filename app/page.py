@@ -257,8 +257,7 @@ class Page:
 
         Args:
             message: the user's message.
-            history: the conversation so far: ``[{"role": "user"|"assistant", "content": str}, ...]`` or
-                ``[user, assistant]`` pairs; [] for a new chat.
+            history: the conversation so far, [] for a new chat: [{"role": "user", "content": "..."}, ...].
             strategy: the MTP side's strategy: "ConfAdapt", "static k" or "lossless".
             tau: ConfAdapt's confidence threshold, 0 to 1 (0.9 keeps answers close to standard decoding).
             k_max: most tokens per forward pass (lossless: the upper bound), 1 to 32.
@@ -338,7 +337,18 @@ class Page:
 
     def load_model_api(self, choice: str, local_path: str, quantization: str, precision: str, model_key: Any
                        ) -> tuple:
-        """/load_model for API clients: (model key, model info, status, k_max), every output a plain value."""
+        """Load another model for the chat (MCP tool and /load_model); a model that cannot load leaves the current one.
+
+        Args:
+            choice: a model source: "smollm2-135m" (the embedded default), a hub id such as
+                "jwkirchenbauer/L3-1-8B-Magpie-MTP" (needs network; a GPU for the large ones), or a local path.
+            local_path: a local path or hub id that overrides ``choice`` when not empty.
+            quantization: "none", "4bit" or "8bit" (bitsandbytes, CUDA only).
+            precision: "auto" (bf16 where the hardware computes it natively), "float32" or "bfloat16".
+
+        Returns:
+            (model key, model info as HTML, status line as HTML, the model's k_max), every one a plain value.
+        """
         try:
             key, lm = self.load(choice, local_path, quantization, precision)
             return key, render.model_html(lm, key[1]), render.status_html(f"Loaded {key[0]}."), \

@@ -1,4 +1,4 @@
-"""HTML fragments of the page, drawn from runner states and engine records (no Gradio, no model code).
+"""HTML fragments of the page, drawn from turn states and engine records (no Gradio, no model code).
 
 Every text from the user or the model is escaped here and shown literally: HTML stays text,
 whitespace and indentation are kept (``white-space: pre-wrap``), fenced code blocks are

@@ -235,7 +235,7 @@ def _api_components(page: Page, c: SimpleNamespace) -> None:
         # Free-form inputs that take the README's vocabulary (the page's radio buttons and slider refuse values
         # outside their choices before the app can check them), outputs labelled with their names.
         c.api_chat_inputs = [
-            gr.Textbox(label="message"), gr.JSON([], label="history"), gr.Textbox("ConfAdapt", label="strategy"),
+            gr.Textbox(label="message"), history_input(), gr.Textbox("ConfAdapt", label="strategy"),
             gr.Number(DEFAULT_TAU, label="tau"), gr.Number(page.default_k_max, label="k_max"),
             gr.Number(DEFAULT_STATIC_K, label="k"), gr.Number(DEFAULT_MAX_NEW_TOKENS, label="max_new_tokens"),
             gr.Textbox("fastest here", label="shape"), c.model_key]
@@ -283,12 +283,21 @@ def threshold_slider(**kwargs: Any) -> gr.Slider:
     """The tau control: Gradio's slider over [0, 1] (step 0.01, arrow keys step by it) with its number box beside
     it, whose value reaches the app unchecked. Gradio's own check would raise a number typed past an end as a toast
     over the controls, on every ``change`` of the box; the slider itself comes back to its range, and a value
-    outside it (an API client's) is refused by :func:`app.runner.app_strategy` in the status line, naming the rule
+    outside it (an API client's) is refused by :func:`app.requests.app_strategy` in the status line, naming the rule
     and the value. (An instance attribute, not a subclass: Gradio writes a ``.pyi`` file beside the module of
     every Component subclass.)"""
     slider = gr.Slider(0, 1, step=0.01, **kwargs)
     slider.preprocess = lambda payload: payload  # type: ignore[method-assign]
     return slider
+
+
+def history_input() -> gr.JSON:
+    """The API's history input: a JSON list (of messages, or of ``[user, assistant]`` pairs). Its schema says so
+    (Gradio's JSON component states ``{"type": {}}``, which is no JSON schema: an MCP client refuses every call
+    with it); the value itself is checked by :func:`app.requests.parse_history`."""
+    box = gr.JSON([], label="history")
+    box.api_info = lambda: {"type": "array", "items": {}, "description": "the conversation so far"}  # type: ignore
+    return box
 
 
 def api_output(name: str) -> gr.components.Component:

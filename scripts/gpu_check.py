@@ -14,7 +14,7 @@ Checks, on the embedded default (SmolLM2-135M-Instruct + the shipped aLoRA adapt
    (same prompts; in bf16 a near-tie may part them, see docs/DESIGN.md), and after each run the KV
    cache == a fresh prefill of the kept tokens; the width curve and the layout it would choose;
 4. ``model.bench`` (tokens/s against HF ``generate``, the width curve, bandwidth achieved against measured);
-5. one app turn through ``app.runner`` (standard and ConfAdapt side by side, effective k, speedup).
+5. one app turn through ``app.turn`` (standard and ConfAdapt side by side, effective k, speedup).
 
 Exit status: 0 when every equivalence holds or the device is absent (skipped), 1 when one differs.
 """
@@ -120,15 +120,17 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 
 
 def check_app_turn(device: str, new_tokens: int) -> bool:
-    """One turn through the app's runner on this device: both sides finish, the counters add up."""
+    """One turn through the app's turn module on this device: both sides finish, the counters add up."""
     from functools import partial
 
-    from app.runner import ModelRegistry, prepare_turn, run_turn
+    from app.registry import ModelRegistry
+    from app.requests import TurnRequest
+    from app.turn import prepare_turn, run_turn
     from model.engine.loading import load_checkpoint
 
     registry = ModelRegistry(loader=partial(load_checkpoint, device=device))
-    turn = prepare_turn(registry, "Janet has 3 ducks and buys 2 more. How many ducks does she have?",
-                        [], "ConfAdapt", tau=0.9, max_new_tokens=new_tokens)
+    turn = prepare_turn(registry, TurnRequest("Janet has 3 ducks and buys 2 more. How many ducks does she have?",
+                                              strategy="ConfAdapt", tau=0.9, max_new_tokens=new_tokens))
     state = None
     for state in run_turn(turn):
         pass

@@ -439,3 +439,37 @@ def test_a_turn_that_ends_without_its_last_update_keeps_its_message(tiny_registr
     sessions.remember("s", [])
     gen.close()
     assert sessions.conversation("s", [], page=True) == []
+
+
+def test_the_chat_is_an_mcp_tool_an_agent_can_read_and_call(tiny_served):
+    """``launch`` serves Gradio's MCP server: the chat is a tool whose description and arguments come from
+    :meth:`app.page.Page.chat_api`'s docstring, and an MCP client (the ``mcp`` package) calls it for a real turn."""
+    import asyncio
+    import json
+    import urllib.request
+
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamablehttp_client
+
+    demo, c = tiny_served
+    url = c.src.rstrip("/") + "/"
+    schema = {t["name"]: t for t in json.loads(urllib.request.urlopen(url + "gradio_api/mcp/schema", timeout=30).read())}
+    chat = schema["chat_api"]
+    assert chat["description"].startswith("Answer one chat message with standard decoding and an MTP strategy")
+    props = chat["inputSchema"]["properties"]
+    assert list(props) == ["message", "history", "strategy", "tau", "k_max", "k", "max_new_tokens", "shape"]
+    assert "0 to 1" in props["tau"]["description"] and chat["inputSchema"]["required"] == ["message"]
+    assert "load_model_api" in schema
+
+    async def call():
+        async with streamablehttp_client(url + "gradio_api/mcp/") as (read, write, _):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                tools = {t.name for t in (await session.list_tools()).tools}
+                out = await session.call_tool("chat_api", {"message": "hi", "history": [], "max_new_tokens": 6})
+                return tools, out
+
+    tools, out = asyncio.run(call())
+    assert {"chat_api", "load_model_api"} <= tools and not out.isError
+    text = " ".join(getattr(part, "text", "") for part in out.content)
+    assert '"phase": "done"' in text or "'phase': 'done'" in text
