@@ -8,8 +8,9 @@ One module per concern, none with a Gradio type but the last three:
 * ``app.turn`` — one turn, both sides, pass by pass; ``app.timing`` and ``app.quality`` — how fast and how
   good each side was; ``app.sessions`` — one turn at a time per session, in order, and what each keeps;
 * ``app.zerogpu`` — the GPU on a ZeroGPU Space;
-* ``app.render`` (HTML) and ``app.figures`` (Plotly) — drawing; ``app.outputs`` — a turn's states as component
-  updates; ``app.page`` — every event handler, as methods; ``app.ui`` — the layout and its wiring.
+* ``app.render`` (HTML: panes, counters, the coloured answer, tables), ``app.headline`` (the speed in words, the
+  status line, the JSON summary), ``app.figures`` (Plotly: the pass animation, the race) and ``app.tradeoff``
+  (the trade-off figure) — drawing; ``app.outputs`` — a turn's states as component updates; ``app.page`` — every event handler, as methods; ``app.ui`` — the layout and its wiring.
 
 No model code lives here: the engine is ``model.*``.
 """

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import gradio as gr
 
-from . import figures, render
+from . import figures, headline, render
 from .requests import choice_of
 from .turn import TurnState, history_after
 
@@ -71,7 +71,7 @@ def idle_outputs(history: list[dict], status: str = "", *, kind: str = "info", n
         speed="", coloured=render.figure1_html([]), figure=figure_html(None, strategy_choice),
         race=figures.race_figure([]), table=render.pass_table_html(None),
         status=render.status_html(status, kind=kind) if status else "", notice=notice,
-        result=render.summary(None, status=status, kind=kind),
+        result=headline.summary(None, status=status, kind=kind),
     )
 
 
@@ -80,7 +80,7 @@ def turn_outputs(state: TurnState, *, figures_due: bool, first: bool = False) ->
     turns into a box command, :func:`box_command`; the
     trade-off figure is the session's, drawn by the caller)."""
     if state.phase == "cleared":
-        text, _ = render.turn_status(state)
+        text, _ = headline.turn_status(state)
         return idle_outputs([], text, strategy_choice=choice_of(state.strategy))
     final = state.final
     turn, label = state.turn, state.strategy.label
@@ -97,7 +97,7 @@ def turn_outputs(state: TurnState, *, figures_due: bool, first: bool = False) ->
                                   running=not state.standard_done),
                  render.pane_html(turn.history, turn.message, state.mtp.text, side="mtp", title=mtp_title(label),
                                   running=not state.mtp_done))
-    status, kind = render.turn_status(state)
+    status, kind = headline.turn_status(state)
     draw = figures_due or final
     failed_early = state.phase == "error" and not state.standard.passes and not state.mtp.passes
     sp = state.speed
@@ -108,7 +108,7 @@ def turn_outputs(state: TurnState, *, figures_due: bool, first: bool = False) ->
                                        timing=sp.standard if sp else None),
         stats_mtp=render.counters_html(state.mtp, side="mtp", label=label, state=mtp_state,
                                        timing=sp.mtp if sp else None, verifies=state.strategy.verifies),
-        speed=render.speed_html(state),  # with the counters, in the same update: the headline never lags them
+        speed=headline.speed_html(state),  # with the counters, in the same update: the headline never lags them
         coloured=render.figure1_html(state.mtp.passes, state.strategy) if draw else gr.skip(),
         figure=figure_html(state, choice_of(state.strategy)) if draw else gr.skip(),
         race=figures.race_figure([("standard", state.standard.passes), (label, state.mtp.passes)])
@@ -116,7 +116,7 @@ def turn_outputs(state: TurnState, *, figures_due: bool, first: bool = False) ->
         table=render.pass_table_html(state) if final else gr.skip(),
         status=render.status_html(status, kind=kind) if (first or final) else gr.skip(),
         notice="" if (first or final) else gr.skip(),
-        result=render.summary(state, status=status, kind=kind) if final else gr.skip(),
+        result=headline.summary(state, status=status, kind=kind) if final else gr.skip(),
     )
 
 

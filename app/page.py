@@ -10,11 +10,9 @@ ZeroGPU Space, in a GPU worker) prepares and runs it (:mod:`app.turn`) and turns
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import gradio as gr
@@ -22,7 +20,7 @@ import gradio as gr
 from model.engine.loading import DEFAULT_SOURCE
 from model.errors import RequestError
 
-from . import figures, render
+from . import render, tradeoff
 from .device import WidthProfile, progress_of
 from .outputs import (
     TURN_OUTPUTS,
@@ -38,26 +36,25 @@ from .outputs import (
 from .passes import SHARED, PassScheduler
 from .quality import answer_point
 from .registry import ModelRegistry
-from .requests import TurnRequest, app_k_max, check_message, k_max_limit, parse_history, parse_source
+from .requests import (
+    TurnRequest,
+    app_k_max,
+    check_message,
+    k_max_limit,
+    load_examples,
+    parse_history,
+    parse_source,
+)
 from .sessions import SessionRuns, stop_requested
 from .turn import history_after, prepare_turn, run_turn
 from .zerogpu import GPU_SWEEP_SECONDS, gpu_seconds, on_gpu, zero_gpu
 
 log = logging.getLogger(__name__)
 
-EXAMPLES_FILE = Path(__file__).resolve().parent.parent / "assets" / "examples.json"
 #: Seconds between re-renders of the figures while answers stream.
 FIGURE_EVERY_S = float(os.environ.get("MTP_APP_FIGURE_EVERY_S", "0.6"))
 #: Seconds between updates of the panes and counters while answers stream.
 PANE_EVERY_S = float(os.environ.get("MTP_APP_PANE_EVERY_S", "0.12"))
-
-
-def load_examples(path: Path = EXAMPLES_FILE) -> list[str]:
-    """Example prompts from ``assets/examples.json`` (a list of ``{"kind", "prompt"}``)."""
-    try:
-        return [e["prompt"] for e in json.loads(path.read_text())]
-    except (OSError, ValueError, KeyError, TypeError):
-        return ["What is 12 times 7? Think step by step."]
 
 
 def session_of(request: Any) -> str | None:
@@ -143,7 +140,7 @@ class Page:
         """The trade-off figure: the checkpoint's sweep, the current tau and this session's answers."""
         key = self.key_of(key)
         sweep, source = self.facts.sweep(key, self.loaded(key))
-        return figures.tradeoff_figure(sweep, tau=tau_value if choice == "ConfAdapt" else None,
+        return tradeoff.tradeoff_figure(sweep, tau=tau_value if choice == "ConfAdapt" else None,
                                        k_max=k_max_limit(k_max_value, None), answers=self.sessions.points(session, key),
                                        source=source)
 

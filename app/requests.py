@@ -7,10 +7,12 @@ value, in the user's words. No Gradio type and no model code here.
 
 from __future__ import annotations
 
+import json
 import os
 import unicodedata
 import uuid
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from model.engine.loading import DEFAULT_SOURCE
@@ -41,6 +43,8 @@ MAX_MESSAGE_CHARS = int(os.environ.get("MTP_APP_MAX_MESSAGE_CHARS", "16000"))
 #: The model menu's quantizations (bitsandbytes, CUDA only) and precisions.
 QUANTIZATIONS = ("none", "4bit", "8bit")
 PRECISIONS = ("auto", "float32", "bfloat16")
+#: The page's example prompts.
+EXAMPLES_FILE = Path(__file__).resolve().parent.parent / "assets" / "examples.json"
 #: The page's strategy labels -> the engine's strategy names.
 STRATEGY_LABELS = {"ConfAdapt": "confadapt", "static k": "static", "lossless": "verify"}
 STRATEGY_CHOICES = tuple(STRATEGY_LABELS)
@@ -250,3 +254,11 @@ def parse_source(choice: Any, local_path: Any) -> str:
     """The model source: the local path / hub id box when filled, else the dropdown's value."""
     path = str(local_path or "").strip()
     return path or str(choice or DEFAULT_SOURCE).strip() or DEFAULT_SOURCE
+
+
+def load_examples(path: Path = EXAMPLES_FILE) -> list[str]:
+    """Example prompts from ``assets/examples.json`` (a list of ``{"kind", "prompt"}``)."""
+    try:
+        return [e["prompt"] for e in json.loads(path.read_text())]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ["What is 12 times 7? Think step by step."]

@@ -24,7 +24,7 @@ import gradio as gr
 from model.engine.loading import DEFAULT_SOURCE
 from model.engine.strategies import DEFAULT_STATIC_K, DEFAULT_TAU
 
-from . import figures, render
+from . import figures, headline, render, tradeoff
 from .device import SHAPE_CHOICES, SWEEP_MAX_NEW_TOKENS, SWEEP_TAUS
 from .outputs import STD_TITLE, TURN_OUTPUTS, figure_html, mtp_title
 from .page import Page
@@ -175,7 +175,7 @@ def _answers(c: SimpleNamespace) -> None:
                                   elem_id="stats-mtp", js_on_load=None)
     gr.HTML(f'<p class="mtp-caption">{render.esc(LIKE_WITH_LIKE)}</p>' + render.counters_caption(), js_on_load=None)
     c.speed = gr.HTML("", elem_id="speedup", js_on_load=None)
-    gr.HTML(render.timing_html(), elem_id="timing-help", js_on_load=None)
+    gr.HTML(headline.timing_html(), elem_id="timing-help", js_on_load=None)
     c.coloured = gr.HTML(render.figure1_html([]), elem_id="coloured-answer", js_on_load=None,
                          label="MTP answer, one colour per forward pass")
     with gr.Row(equal_height=False):
@@ -189,7 +189,7 @@ def _tradeoff_and_model(page: Page, c: SimpleNamespace) -> None:
     """The trade-off figure and its Measure button, the per-pass table, the model menu."""
     with gr.Accordion("Speed vs quality: the trade-off over tau", open=True, elem_id="tradeoff-accordion"):
         sweep, source = page.facts.sweep(page.default_key, page.loaded(None))
-        c.tradeoff = gr.Plot(figures.tradeoff_figure(sweep, tau=DEFAULT_TAU, k_max=page.default_k_max, source=source),
+        c.tradeoff = gr.Plot(tradeoff.tradeoff_figure(sweep, tau=DEFAULT_TAU, k_max=page.default_k_max, source=source),
                              show_label=False, elem_id="tradeoff")
         with gr.Row(equal_height=False):
             with gr.Column(scale=1, min_width=200):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app import figures, render
+from app import figures, headline, tradeoff
 from app.requests import TurnRequest
 from app.turn import prepare_turn
 from model.engine.decoding import generate
@@ -24,7 +24,7 @@ def test_lossless_turn_equals_standard_and_its_figure_marks_the_drafts(registry)
     lm32 = registry.get(*FP32)
     assert lm32.dtype == torch.float32
     assert last.strategy.verifies and last.identical and last.mtp.text == generate(lm32, prompt, standard(), 24).text
-    assert "identical answers: lossless" in render.speed_html(last)
+    assert "identical answers: lossless" in headline.speed_html(last)
     fig = figures.passes_figure(last.mtp.passes, last.strategy)
     assert len(fig["frames"]) == last.mtp.forward_passes
     for rec, frame in zip(last.mtp.passes, fig["frames"]):
@@ -76,21 +76,21 @@ SWEEP = Sweep.from_dict({"model": "m", "n_prompts": 5, "max_new_tokens": 48, "po
 
 
 def test_tau_point_interpolates_along_the_confadapt_curve():
-    p = figures.tau_point(SWEEP, 0.7, 4)
+    p = tradeoff.tau_point(SWEEP, 0.7, 4)
     assert p["inside"] and p["effective_k"] == pytest.approx(1.8) and p["agreement_with_standard"] == pytest.approx(0.5)
     assert p["nll_teacher"] == pytest.approx(0.7)
-    assert figures.tau_point(SWEEP, 0.9)["effective_k"] == pytest.approx(1.4)
-    out = figures.tau_point(SWEEP, 0.99)
+    assert tradeoff.tau_point(SWEEP, 0.9)["effective_k"] == pytest.approx(1.4)
+    out = tradeoff.tau_point(SWEEP, 0.99)
     assert not out["inside"] and out["effective_k"] == pytest.approx(1.4)  # the nearest end, said so
-    assert figures.tau_point(SWEEP, None) is None and figures.tau_point(None, 0.9) is None
-    assert figures.tau_point(SWEEP, "abc") is None
+    assert tradeoff.tau_point(SWEEP, None) is None and tradeoff.tau_point(None, 0.9) is None
+    assert tradeoff.tau_point(SWEEP, "abc") is None
 
 
 def test_tradeoff_figure_labels_taus_marks_lossless_tau_and_the_sessions_answers():
     key = ("m", "none", "auto")
     answers = [AnswerPoint(key, 1, "ConfAdapt tau=0.90 k_max=4", "confadapt", 0.9, 1.3, True, None, 0.4, 0.4),
                AnswerPoint(key, 2, "static k=3", "static", None, 3.0, False, 4, 1.2, 0.4, repeats=True)]
-    fig = figures.tradeoff_figure(SWEEP, tau=0.7, k_max=4, answers=answers, source="shipped")
+    fig = tradeoff.tradeoff_figure(SWEEP, tau=0.7, k_max=4, answers=answers, source="shipped")
     by_name = {}
     for t in fig.data:
         by_name.setdefault(t.name, []).append(t)
@@ -105,7 +105,7 @@ def test_tradeoff_figure_labels_taus_marks_lossless_tau_and_the_sessions_answers
     assert list(same.y) == [1.0] and list(parted.y) == [0.0] and list(by_name["your answers: parted"][1].y) == [1.2]
     assert "parts at token 5" in parted.hovertext[0] and "repetition" in parted.hovertext[0]
     assert "shipped with the checkpoint" in fig.layout.title.text
-    empty = figures.tradeoff_figure(None, tau=0.9)
+    empty = tradeoff.tradeoff_figure(None, tau=0.9)
     assert "no measured trade-off" in empty.layout.title.text
     assert any("Measure the trade-off" in a.text for a in empty.layout.annotations)
     assert "tau 0.9 now" not in {t.name for t in empty.data}
@@ -118,7 +118,7 @@ def test_tradeoff_labels_at_one_place_are_one_label_and_right_hand_labels_go_lef
     from tests.conftest import ROOT
 
     sweep = load_sweep(ROOT / "assets" / "smollm2-135m-mtp")
-    fig = figures.tradeoff_figure(sweep, tau=0.9, k_max=4)
+    fig = tradeoff.tradeoff_figure(sweep, tau=0.9, k_max=4)
     curve = next(t for t in fig.data if t.name == "ConfAdapt k_max=4 (tau)")
     assert list(curve.text) == ["0.99", "0.9", "0.5, 0.7", ""]
     lossless = next(t for t in fig.data if t.name == "lossless" and t.text is not None)

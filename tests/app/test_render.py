@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from app import figures, render
+from app import figures, headline, render
 from app.requests import TurnRequest
 from app.turn import prepare_turn, run_turn
 from tests.app.conftest import FP32, PROMPT, finish
@@ -20,15 +20,15 @@ from tests.conftest import GSM8K_SAMPLE
 
 # -------------------------------------------------------------- the speed line
 def test_speed_is_worded_as_faster_or_slower():
-    assert render.times_text(1 / 2.8) == "2.80× slower"
-    assert render.times_text(2.31) == "2.31× faster"
-    assert render.times_text(0.998) == "1.00× (the same speed)"
+    assert headline.times_text(1 / 2.8) == "2.80× slower"
+    assert headline.times_text(2.31) == "2.31× faster"
+    assert headline.times_text(0.998) == "1.00× (the same speed)"
 
 
 @pytest.mark.integration
 def test_speed_line_counters_and_figure_tell_the_rules(registry, lm):
     last = finish(prepare_turn(registry, TurnRequest(PROMPT, [], "ConfAdapt", 0.99, 4, 3, 10)))[1]
-    line = render.speed_html(last)
+    line = headline.speed_html(last)
     word = "faster" if last.speed.ratio > 1.005 else ("slower" if last.speed.ratio < 0.995 else "same speed")
     assert word in line and "90% interval" in line and "effective k" in line
     assert "×" in line and "speedup" not in line.lower()  # never "speedup 0.36×" for a slowdown
@@ -52,13 +52,13 @@ def test_lossless_answer_ahead_of_standard_is_identical_so_far(registry):
     turn = prepare_turn(registry, TurnRequest("Tell me a story about a dragon.", [], "lossless", 0.9, 4, 3, 24, FP32))
     ahead = 0
     for state in run_turn(turn):
-        line = render.speed_html(state)
+        line = headline.speed_html(state)
         assert "part at" not in line, line
         if state.speed is not None and not state.identical:
             ahead += 1
             n = min(len(state.standard.token_ids), len(state.mtp.token_ids))
             assert f"identical so far: the first {n} tokens agree" in line, line
-    assert state.identical and "identical answers: lossless" in render.speed_html(state)
+    assert state.identical and "identical answers: lossless" in headline.speed_html(state)
     assert ahead > 0  # verify keeps more than one token per pass, so it runs ahead of standard decoding
 
 
@@ -71,7 +71,7 @@ def test_lossless_in_bf16_says_where_and_why_the_answers_part(registry):
     question = json.loads(GSM8K_SAMPLE.read_text().splitlines()[4])["question"]
     last = finish(prepare_turn(registry, TurnRequest(question, [], "lossless", 0.9, 4, 3, 16, ("smollm2-135m", "none",
                                                                                    "bfloat16"))))[1]
-    line = render.speed_html(last)
+    line = headline.speed_html(last)
     if last.identical:
         assert "identical answers: lossless" in line
     else:
@@ -149,36 +149,36 @@ def test_headline_states_speed_and_its_cost_in_one_sentence():
     from model.engine.strategies import confadapt, static_k, verify
 
     same = list(range(20))
-    line, warn = render.headline(_state(same, same, confadapt(0.9, 4), Quality(0.41, 0.41)))
+    line, warn = headline.headline(_state(same, same, confadapt(0.9, 4), Quality(0.41, 0.41)))
     assert re.fullmatch(r"ConfAdapt tau=0\.90 k_max=4: [0-9.]+× faster, identical answer\.", line) and not warn
-    assert render.headline(_state(same, same, verify(4), Quality(0.41, 0.41)))[0].endswith(
+    assert headline.headline(_state(same, same, verify(4), Quality(0.41, 0.41)))[0].endswith(
         "identical answer (lossless).")
     parted = same[:11] + [99] * 9
-    line, warn = render.headline(_state(same, parted, static_k(3), Quality(0.41, 1.26), per_pass=3))
+    line, warn = headline.headline(_state(same, parted, static_k(3), Quality(0.41, 1.26), per_pass=3))
     assert warn and line.startswith("static k=3: ") and "faster, but the answer parts at token 12 and is 0.85 " \
         "nats/token less likely under the model (1.26 vs 0.41)." in line
-    line, warn = render.headline(_state(same, parted, static_k(3), Quality(0.41, 0.30), per_pass=3))
+    line, warn = headline.headline(_state(same, parted, static_k(3), Quality(0.41, 0.30), per_pass=3))
     assert not warn and "the answer parts at token 12 and is 0.11 nats/token more likely under the model (0.30 vs " \
         "0.41)." in line
-    line, warn = render.headline(_state(same, parted, static_k(3), Quality(0.41, 0.412), per_pass=3))
+    line, warn = headline.headline(_state(same, parted, static_k(3), Quality(0.41, 0.412), per_pass=3))
     assert not warn and "equally likely under the model (0.41 vs 0.41)" in line
     # a degenerate answer never reads as a plain win, even when faster and likelier
-    line, warn = render.headline(_state(same, parted, static_k(3), Quality(0.41, 0.10, False, True), per_pass=3))
+    line, warn = headline.headline(_state(same, parted, static_k(3), Quality(0.41, 0.10, False, True), per_pass=3))
     assert warn and line.endswith(", but its answer degenerates into repetition.") and "faster" in line
-    line, warn = render.headline(_state(same, same, static_k(3), Quality(0.2, 0.2, True, True), per_pass=3))
+    line, warn = headline.headline(_state(same, same, static_k(3), Quality(0.2, 0.2, True, True), per_pass=3))
     assert warn and "identical answer, and both answers degenerate into repetition" in line
     # while running: how they agree so far, no quality yet
-    line, warn = render.headline(_state(same[:6], same[:8], confadapt(0.9, 4), None, phase="running"))
+    line, warn = headline.headline(_state(same[:6], same[:8], confadapt(0.9, 4), None, phase="running"))
     assert line.endswith("identical so far (the first 6 tokens).") and not warn
-    line, _ = render.headline(_state(same[:6], parted[:12], confadapt(0.9, 4), None, phase="running"))
+    line, _ = headline.headline(_state(same[:6], parted[:12], confadapt(0.9, 4), None, phase="running"))
     assert "parts at token 12 (quality once both are done)" not in line and "identical so far" in line
-    assert "the answer parts at token 12 (quality once both are done)" in render.headline(
+    assert "the answer parts at token 12 (quality once both are done)" in headline.headline(
         _state(same[:14], parted[:14], confadapt(0.9, 4), None, phase="running"))[0]
     # the page: one sentence in bold, the warning styled as one, details after it
-    html = render.speed_html(_state(same, parted, static_k(3), Quality(0.41, 1.26), per_pass=3))
+    html = headline.speed_html(_state(same, parted, static_k(3), Quality(0.41, 1.26), per_pass=3))
     assert 'class="mtp-speed mtp-warn"' in html and 'data-warn="1"' in html and 'role="alert"' in html
     assert html.count("<b>") == 1 and "standard 0.41, MTP 1.26" in html and "not timed" in html
-    assert 'data-warn="0"' in render.speed_html(_state(same, same, confadapt(0.9, 4), Quality(0.4, 0.4)))
+    assert 'data-warn="0"' in headline.speed_html(_state(same, same, confadapt(0.9, 4), Quality(0.4, 0.4)))
 
 
 def test_summary_holds_quality_parting_and_timing():
@@ -187,12 +187,12 @@ def test_summary_holds_quality_parting_and_timing():
 
     same = list(range(20))
     state = _state(same, same[:11] + [99] * 9, static_k(3), Quality(0.41, 1.26, False, True), per_pass=3)
-    out = render.summary(state, status="done")
+    out = headline.summary(state, status="done")
     json.dumps(out, allow_nan=False)  # strict JSON
     assert out["parted_at"] == 11 and out["identical"] is False
     assert out["quality"]["standard_nll"] == 0.41 and out["quality"]["mtp_nll"] == 1.26
     assert out["quality"]["nll_gap"] == pytest.approx(0.85) and out["quality"]["mtp_repeats"] is True
-    assert out["warning"] is True and out["headline"] == render.headline(state)[0]
+    assert out["warning"] is True and out["headline"] == headline.headline(state)[0]
     t_std, t_mtp = out["standard"]["timing"], out["mtp"]["timing"]
     assert out["speed"]["ratio"] == pytest.approx(t_mtp["tokens_per_second"] / t_std["tokens_per_second"], rel=1e-3)
     for side in (out["standard"], out["mtp"]):
@@ -224,7 +224,7 @@ def test_counters_follow_the_headlines_method_and_name_vllms_figures():
     for name, meaning in render.VERIFY_COUNTER_HELP.items():
         assert f'data-name="{name}" title="{htmllib.escape(meaning, quote=True)}"' in out
     assert "vLLM" in render.VERIFY_COUNTER_HELP["acc. rate"] and "mean acceptance length" in render.COUNTER_HELP["eff. k"]
-    assert "How speed is measured" in render.timing_html() and "measured s" in render.TIMING_HELP
+    assert "How speed is measured" in headline.timing_html() and "measured s" in headline.TIMING_HELP
 
 
 def test_the_device_note_and_the_shape_line_say_what_width_costs_here():
@@ -258,14 +258,14 @@ def test_a_slowdown_is_styled_as_one_and_a_headline_has_one_but():
     same = list(range(20))
     slow = _state(same, same, static_k(1), Quality(0.4, 0.4), std_ms=50, mtp_ms=66, per_pass=1)
     fast = _state(same, same, static_k(3), Quality(0.4, 0.4), std_ms=50, mtp_ms=55, per_pass=3)
-    assert "1.32× slower" in render.headline(slow)[0]
-    assert 'class="mtp-speed mtp-slower"' in render.speed_html(slow) and 'data-pace="slower"' in render.speed_html(slow)
-    assert 'class="mtp-speed mtp-faster"' in render.speed_html(fast)
+    assert "1.32× slower" in headline.headline(slow)[0]
+    assert 'class="mtp-speed mtp-slower"' in headline.speed_html(slow) and 'data-pace="slower"' in headline.speed_html(slow)
+    assert 'class="mtp-speed mtp-faster"' in headline.speed_html(fast)
     rules = dict(re.findall(r"^(\.mtp-speed[^{]*?)\s*\{([^}]*)\}", ui.CSS, re.M))
     green = re.search(r"border-left-color: (#[0-9a-f]{6})", rules[".mtp-speed.mtp-faster"]).group(1)
     assert green not in rules[".mtp-speed.mtp-slower"] and green not in rules[".mtp-speed"]
     parted = same[:11] + [99] * 9
-    line, warn = render.headline(_state(same, parted, static_k(3), Quality(0.41, 1.26, False, True), per_pass=3))
+    line, warn = headline.headline(_state(same, parted, static_k(3), Quality(0.41, 1.26, False, True), per_pass=3))
     assert warn and line.count("but") == 1 and line.endswith(
         "but the answer parts at token 12 and is 0.85 nats/token less likely under the model (1.26 vs 0.41), and it "
         "degenerates into repetition.")

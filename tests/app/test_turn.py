@@ -11,7 +11,7 @@ import html as htmllib
 
 import pytest
 
-from app import render
+from app import headline, render
 from app.registry import ModelRegistry
 from app.requests import TurnRequest
 from app.sessions import SessionRuns
@@ -70,7 +70,7 @@ def test_stop_and_clear_end_a_turn_with_a_stated_phase(registry):
     assert last.phase == "stopped" and len(states) == 5  # the start, three passes, the stop
     assert last.standard.new_tokens + last.mtp.new_tokens == 3 and not last.standard_done
     assert history_after(last)[-1]["content"] == last.standard.text  # partial answers stay
-    text, kind = render.turn_status(last)
+    text, kind = headline.turn_status(last)
     assert text.startswith("⏹ Turn 1: stopped") and kind == "info"
     cleared = finish(prepare_turn(registry, TurnRequest("Tell me a story.", [], "ConfAdapt", 0.9, 4, 3, 64)),
                      lambda: "cleared")[1]
@@ -85,7 +85,7 @@ def test_engine_errors_become_messages(tiny_registry):
     # NonFiniteLogitsError: the turn ends in an error state with the engine's message, nothing raised
     last = finish(prepare_turn(tiny_registry, TurnRequest("hi", [], "ConfAdapt", 0.9, 4, 3, 8, ("nan", "none"))))[1]
     assert last.phase == "error" and "NaN or infinite logits" in last.error
-    text, kind = render.turn_status(last)
+    text, kind = headline.turn_status(last)
     assert kind == "error" and "NaN or infinite logits" in text
     assert history_after(last) == []  # failed before any pass: the conversation is unchanged
 

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from app import figures, outputs, render, ui
+from app import figures, headline, outputs, render, ui
 from model.engine.decoding import generate
 from model.engine.strategies import confadapt, standard
 from tests.app.conftest import N_NEW, PROMPT, free_port
@@ -106,7 +106,7 @@ def test_api_answers_like_the_engine(client, lm):
     assert res["standard"]["new_tokens"] == std_ref.new_tokens
     assert res["mtp"]["forward_passes"] == mtp_ref.forward_passes and res["mtp"]["strategy"] == "confadapt:0.9:4"
     assert res["mtp"]["kept_per_pass"] == [len(p.kept) for p in mtp_ref.passes]
-    assert res["speed"]["text"] == render.times_text(res["speed"]["ratio"])
+    assert res["speed"]["text"] == headline.times_text(res["speed"]["ratio"])
     assert out["history"][-1] == {"role": "assistant", "content": std_ref.text,
                                                            "mtp": mtp_ref.text}
     assert f'data-frames="{mtp_ref.forward_passes}"' in out["figure"] and "plotly.min.js" in out["figure"]
@@ -302,14 +302,14 @@ def test_the_pages_figures_agree_on_a_loaded_cpu(client):
         (tps["mtp"] + 0.05) / (tps["standard"] - 0.05) + 1e-4
     assert ratio == pytest.approx(res["speed"]["ratio"], abs=1e-4)
     headline = htmllib.unescape(re.search(r'<div class="mtp-headline">(.*?)</div>', out["speed"]).group(1))
-    assert render.times_text(ratio) in headline
+    assert headline.times_text(ratio) in headline
     # the different measure: the race chart's ends are the plain sums, and the headline's details say their ratio
     race = jsonlib.loads(out["race"]["plot"])["data"]
     ends = [trace["x"][-1] for trace in race]
     assert ends == pytest.approx([res["standard"]["seconds"], res["mtp"]["seconds"]], abs=1e-5)
     raw = (res["mtp"]["new_tokens"] / ends[1]) / (res["standard"]["new_tokens"] / ends[0])
     assert raw == pytest.approx(res["speed"]["raw_ratio"], rel=1e-3)
-    assert f"measured sums (race chart; load spikes skew them): {render.times_text(raw)}" in \
+    assert f"measured sums (race chart; load spikes skew them): {headline.times_text(raw)}" in \
         htmllib.unescape(out["speed"])
 
 
@@ -327,7 +327,7 @@ def test_the_headline_updates_with_the_counters_while_streaming(tiny_registry):
         assert out["stats_std"] == render.counters_html(state.standard, side="standard", label="standard",
                                                         state="done" if state.standard_done else "running",
                                                         timing=state.speed.standard)
-        assert out["speed"] == render.speed_html(state)
+        assert out["speed"] == headline.speed_html(state)
 
 
 def test_api_names_every_output_and_takes_what_the_readme_documents(tiny_served):
