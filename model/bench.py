@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         print(format_concurrency(rows))
         print()
         print(format_ratios(rows))
+        print()
+        print(format_ratios(rows, cpu=True))
         print(f"{lm.forward_path}; {torch.get_num_threads()} torch threads")
         if args.json:
             report = concurrency_report(

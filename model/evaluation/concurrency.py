@@ -19,6 +19,8 @@ A run of one or two requests lasts a second or two, so a burst of load from anot
 ``repeats`` serves each (level, arrival mode) group that many times, the strategies interleaved (their order
 rotated each round, so none always runs first), and reports the median aggregate of the rounds (``"auto"``:
 ``ceil(max(levels) / n)`` rounds at level ``n``, so every level serves as many requests as the largest).
+Beside wall-clock rates, the rates over this process's CPU seconds (``time.process_time``): with one torch
+thread on a machine that other jobs load, they leave out the time the process waited for a core.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def _serve(lm: Any, req: Sequence[Sequence[int]], strategy: Any, max_new_tokens:
     finished: dict[Decoder, float] = {}
     passes = rows = 0
     nxt = 0  # next request to arrive
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     while nxt < n or runner.pending:
         due = n if arrival == "together" else passes + 1  # staggered: request i arrives before pass i
         if not runner.pending:
@@ -67,10 +69,10 @@ def _serve(lm: Any, req: Sequence[Sequence[int]], strategy: Any, max_new_tokens:
         for d in decs[:nxt]:
             if d.done and d not in finished:
                 finished[d] = now
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     per_req = [len(d.generated) / (finished[d] - arrived[d]) for d in decs if finished[d] > arrived[d]]
     tokens = sum(len(d.generated) for d in decs)
-    return {"tokens": tokens, "seconds": wall, "passes": passes, "rows": rows, "per_request": per_req,
+    return {"tokens": tokens, "seconds": wall, "cpu_seconds": cpu, "passes": passes, "rows": rows, "per_request": per_req,
             "generated": [list(d.generated) for d in decs], "errors": len(runner.errors),
             "arrived_at_pass": arrived_at_pass}
 
@@ -96,10 +98,11 @@ def concurrency_bench(lm: Any, prompts: Sequence[str], strategies: Sequence[Any]
         ``aggregate_tokens_per_second_rounds``, ``median_request_tokens_per_second`` (over every request of
         every round), ``request_tokens_per_second`` (per request, every round), ``rows_per_pass`` (mean),
         ``passes`` (of one round: the schedule does not depend on timing), ``tokens`` and ``seconds`` (all
-        rounds), ``errors``, ``arrived_at_pass`` (the shared pass each request joined before, 0-based),
+        rounds), ``aggregate_tokens_per_cpu_second`` (median of the rounds, over this process's CPU seconds),
+        ``errors``, ``arrived_at_pass`` (the shared pass each request joined before, 0-based),
         ``identical_to_solo`` (one bool per request: its tokens equalled its solo run's in every round),
         ``ratio_to_standard`` (the aggregate over standard's at the same level and arrival mode; None without a
-        standard row there).
+        standard row there), ``ratio_to_standard_cpu`` (the same over CPU seconds).
 
     Raises:
         ValueError: no prompts, a level below 1, an unknown arrival mode, repeats below 1, or a model off our
@@ -139,6 +142,9 @@ def concurrency_bench(lm: Any, prompts: Sequence[str], strategies: Sequence[Any]
                     "concurrency": n, "arrival": arrival, "strategy": s.spec, "repeats": rounds,
                     "aggregate_tokens_per_second": statistics.median(aggs),
                     "aggregate_tokens_per_second_rounds": aggs,
+                    "aggregate_tokens_per_cpu_second": statistics.median(
+                        o["tokens"] / o["cpu_seconds"] for o in runs if o["cpu_seconds"] > 0) if any(
+                        o["cpu_seconds"] > 0 for o in runs) else None,
                     "median_request_tokens_per_second": statistics.median(per_req) if per_req else 0.0,
                     "request_tokens_per_second": per_req,
                     "rows_per_pass": sum(o["rows"] for o in runs) / max(sum(o["passes"] for o in runs), 1),
@@ -152,6 +158,8 @@ def concurrency_bench(lm: Any, prompts: Sequence[str], strategies: Sequence[Any]
             for r in group:
                 r["ratio_to_standard"] = (r["aggregate_tokens_per_second"] / std["aggregate_tokens_per_second"]
                                           if std else None)
+                cpu, std_cpu = r["aggregate_tokens_per_cpu_second"], std and std["aggregate_tokens_per_cpu_second"]
+                r["ratio_to_standard_cpu"] = cpu / std_cpu if cpu and std_cpu else None
             rows_out += group
     return rows_out
 
@@ -188,20 +196,25 @@ def format_concurrency(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def format_ratios(rows: Sequence[dict]) -> str:
+def format_ratios(rows: Sequence[dict], cpu: bool = False) -> str:
     """The MTP / standard ratios side by side: one line per level, per arrival mode standard's aggregate tok/s
-    then each other strategy's ratio to it; a last column says whether every request equalled its solo run."""
+    then each other strategy's ratio to it; a last column says whether every request equalled its solo run.
+    ``cpu``: the rates over CPU seconds instead of wall-clock seconds."""
+    agg, ratio = (("aggregate_tokens_per_cpu_second", "ratio_to_standard_cpu") if cpu
+                  else ("aggregate_tokens_per_second", "ratio_to_standard"))
     arrivals = list(dict.fromkeys(r["arrival"] for r in rows))
     strategies = list(dict.fromkeys(r["strategy"] for r in rows))
     others = [s for s in strategies if s != "standard"]
     cols = [(a, s) for a in arrivals for s in (["standard"] if "standard" in strategies else []) + others]
     by = {(r["concurrency"], r["arrival"], r["strategy"]): r for r in rows}
-    label = {s: "standard tok/s" if s == "standard" else "x " + s for s in strategies}
+    label = {s: ("standard tok/cpu-s" if cpu else "standard tok/s") if s == "standard" else "x " + s
+             for s in strategies}
     width = max(len(x) for x in label.values()) + 2
     top = "    " + "".join(f"{a:<{width}}" if i == 0 or cols[i - 1][0] != a else " " * width
                           for i, (a, _) in enumerate(cols))
     sub = "  n " + "".join(f"{label[s]:<{width}}" for _, s in cols) + "identical"
-    lines = ["MTP / standard, aggregate tokens/s (each level's strategies run side by side in one process)",
+    lines = [f"MTP / standard, aggregate tokens per {'CPU' if cpu else 'wall-clock'} second (each level's "
+             "strategies run side by side in one process)",
              top.rstrip(), sub, "-" * len(sub)]
     for n in dict.fromkeys(r["concurrency"] for r in rows):
         cells = []
@@ -210,9 +223,9 @@ def format_ratios(rows: Sequence[dict]) -> str:
             if r is None:
                 cells.append("")
             elif s == "standard":
-                cells.append(f"{r['aggregate_tokens_per_second']:.1f}")
+                cells.append("" if r.get(agg) is None else f"{r[agg]:.1f}")
             else:
-                cells.append("" if r["ratio_to_standard"] is None else f"{r['ratio_to_standard']:.2f}")
+                cells.append("" if r.get(ratio) is None else f"{r[ratio]:.2f}")
         same = all(all(r["identical_to_solo"]) for r in rows if r["concurrency"] == n)
         lines.append(f"{n:>3} " + "".join(f"{c:<{width}}" for c in cells) + ("all" if same else "NOT ALL"))
     return "\n".join(lines)

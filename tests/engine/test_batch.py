@@ -196,7 +196,8 @@ def test_concurrency_bench_staggered_arrivals_equal_solo_and_report(lm):
     staggered = [r for r in rows if r["arrival"] == "staggered" and r["concurrency"] == 4]
     assert all(r["arrived_at_pass"] == [0, 1, 2, 3] for r in staggered)
     assert all(r["arrived_at_pass"] == [0] * 4 for r in rows if r["arrival"] == "together" and r["concurrency"] == 4)
-    assert all(r["ratio_to_standard"] == 1.0 for r in rows if r["strategy"] == "standard")
+    assert all(r["ratio_to_standard"] == 1.0 == r["ratio_to_standard_cpu"] for r in rows if r["strategy"] == "standard")
+    assert all(r["aggregate_tokens_per_cpu_second"] > 0 for r in rows)
 
     report = json.loads(dumps_strict(concurrency_report(rows, threads=1, max_new_tokens=8)))
     assert set(report) == {"concurrency", "config", "ratios", "all_identical_to_solo"}
@@ -210,3 +211,4 @@ def test_concurrency_bench_staggered_arrivals_equal_solo_and_report(lm):
         "ratio_to_standard", "rows_per_pass", "identical_to_solo", "arrived_at_pass"}
     table = format_ratios(rows)
     assert "staggered" in table and "x verify:4:full" in table and table.splitlines()[-1].endswith("all")
+    assert "CPU second" in format_ratios(rows, cpu=True)
