@@ -89,7 +89,8 @@ def header_html() -> str:
         "proposal (the model's ordinary next token) and then the following ones while their confidence is at least "
         "tau; <b>lossless</b> verification keeps only proposals the model itself confirms, so its answer equals "
         "standard decoding's (to the bit on our CPU kernels, in bf16 as in float32).</p><p class=\"mtp-wide\">Each message is answered twice: standard decoding on the left, "
-        "MTP on the right, their forward passes alternating on one worker so that each is timed alone.</p></div>")
+        "MTP on the right, their forward passes alternating so that each side is timed on its own (a pass may also "
+        "carry other visitors' rows, computed exactly as alone).</p></div>")
 
 
 
