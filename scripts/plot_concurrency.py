@@ -7,7 +7,8 @@ One line per (strategy, arrival mode) for the strategies in ``--strategies`` (de
 and verify k_max 4 as a full tree); the published points are markers only (2.31x at 1 request, 0.26x at 16:
 nothing in between was published, so nothing is drawn in between). PNG export needs plotly + kaleido with
 Chrome/Chromium (``BROWSER_PATH``, default /usr/bin/chromium when it exists); ``.svg`` or ``.pdf`` outputs use
-the same exporter.
+the same exporter. ``--cpu`` plots the ratios of rates over the bench's CPU seconds instead of wall-clock
+seconds (what to plot when other jobs loaded the machine: they leave out the waits for a core).
 """
 
 from __future__ import annotations
@@ -28,17 +29,18 @@ COLORS = {"confadapt:0.9:4": "#1f77b4", "verify:4:full": "#2ca02c"}
 DASH = {"together": "solid", "staggered": "dash"}
 
 
-def ratio_series(report: dict, strategy: str, arrival: str) -> tuple[list[int], list[float]]:
-    """The (concurrency levels, MTP / standard ratios) of one strategy and arrival mode in ``report``, by level."""
-    pts = sorted((r["concurrency"], r["ratio_to_standard"]) for r in report["concurrency"]
-                 if r["strategy"] == strategy and r.get("arrival", "together") == arrival
-                 and r["ratio_to_standard"] is not None)
+def ratio_series(report: dict, strategy: str, arrival: str, cpu: bool = False) -> tuple[list[int], list[float]]:
+    """The (concurrency levels, MTP / standard ratios) of one strategy and arrival mode in ``report``, by level
+    (``cpu``: the ratios of rates over CPU seconds, ``ratio_to_standard_cpu``)."""
+    key = "ratio_to_standard_cpu" if cpu else "ratio_to_standard"
+    pts = sorted((r["concurrency"], r[key]) for r in report["concurrency"]
+                 if r["strategy"] == strategy and r.get("arrival", "together") == arrival and r.get(key) is not None)
     return [n for n, _ in pts], [x for _, x in pts]
 
 
-def concurrency_figure(report: dict, strategies: list[str]):
-    """The plotly figure: measured ratio lines per strategy and arrival mode, the published SGLang markers and
-    a dotted line at 1 (standard decoding at the same concurrency)."""
+def concurrency_figure(report: dict, strategies: list[str], cpu: bool = False):
+    """The plotly figure: measured ratio lines per strategy and arrival mode (``cpu``: rates over CPU seconds),
+    the published SGLang markers and a dotted line at 1 (standard decoding at the same concurrency)."""
     import plotly.graph_objects as go
 
     cfg = report.get("config", {})
@@ -46,7 +48,7 @@ def concurrency_figure(report: dict, strategies: list[str]):
     arrivals = list(dict.fromkeys(r.get("arrival", "together") for r in report["concurrency"]))
     for s in strategies:
         for a in arrivals:
-            x, y = ratio_series(report, s, a)
+            x, y = ratio_series(report, s, a, cpu)
             if not x:
                 continue
             fig.add_trace(go.Scatter(
@@ -66,12 +68,14 @@ def concurrency_figure(report: dict, strategies: list[str]):
              cfg.get("prompts") and f"{cfg['prompts']} prompts x {cfg['max_new_tokens']} tokens"]
     where = ", ".join(str(x) for x in parts if x)
     fig.update_layout(
-        title={"text": "MTP / standard decoding, aggregate tokens/s, by concurrent requests"
+        title={"text": "MTP / standard decoding, aggregate tokens per "
+                       + ("CPU second" if cpu else "second") + ", by concurrent requests"
                        + (f"<br><sup>ours: SmolLM2-135M + MTP adapter on our CPU kernels ({where}); "
                           f"every request identical to its solo run: "
                           f"{'yes' if report.get('all_identical_to_solo') else 'NO'}</sup>" if where else "")},
         xaxis={"title": "concurrent requests", "type": "log", "tickvals": levels, "ticktext": [str(n) for n in levels]},
-        yaxis={"title": "x standard decoding at the same concurrency", "rangemode": "tozero"},
+        yaxis={"title": "x standard decoding at the same concurrency" + (" (over CPU seconds)" if cpu else ""),
+               "rangemode": "tozero"},
         legend={"orientation": "h", "yanchor": "top", "y": -0.18, "x": 0}, template="plotly_white",
         width=900, height=600, margin={"b": 150})
     return fig
@@ -83,15 +87,16 @@ def markdown_table(report: dict, strategies: list[str]) -> str:
     whether every request equalled its solo run."""
     rows = report["concurrency"]
     by = {(r["concurrency"], r.get("arrival", "together"), r["strategy"]): r for r in rows}
-    head = (["requests at once", "arrival", "standard: tok/s (median per request)"]
+    head = (["requests at once", "arrival", "standard: tok/s; tok per CPU s (median per request, tok/s)"]
             + [f"{SHORT.get(s, s)}: tok/s (x standard; same over CPU s)" for s in strategies]
             + ["rows per pass (standard / " + " / ".join(SHORT.get(s, s).split(" ")[0] for s in strategies) + ")",
                "identical to solo"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for n, a in dict.fromkeys((r["concurrency"], r.get("arrival", "together")) for r in rows):
         std = by.get((n, a, "standard"))
-        cells = [str(n), a, f"{std['aggregate_tokens_per_second']:.1f} ({std['median_request_tokens_per_second']:.1f})"
-                 if std else ""]
+        cpu_rate = std and std.get("aggregate_tokens_per_cpu_second")
+        cells = [str(n), a, f"{std['aggregate_tokens_per_second']:.1f}" + (f"; {cpu_rate:.1f}" if cpu_rate else "")
+                 + f" ({std['median_request_tokens_per_second']:.1f})" if std else ""]
         for s in strategies:
             r = by.get((n, a, s))
             if r is None or r.get("ratio_to_standard") is None:
@@ -115,12 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="docs/concurrency.png", help="image file (.png, .svg or .pdf)")
     p.add_argument("--strategies", default="confadapt:0.9:4,verify:4:full")
     p.add_argument("--markdown", action="store_true", help="also print the README's table (markdown)")
+    p.add_argument("--cpu", action="store_true",
+                   help="plot the ratios of rates over CPU seconds (ratio_to_standard_cpu; a loaded machine)")
     args = p.parse_args(argv)
     report = json.loads(Path(args.report).read_text())
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if args.markdown:
         print(markdown_table(report, strategies))
-    fig = concurrency_figure(report, strategies)
+    fig = concurrency_figure(report, strategies, cpu=args.cpu)
     if "BROWSER_PATH" not in os.environ and Path(CHROMIUM).exists():
         os.environ["BROWSER_PATH"] = CHROMIUM
     try:
