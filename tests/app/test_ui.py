@@ -301,8 +301,8 @@ def test_the_pages_figures_agree_on_a_loaded_cpu(client):
     assert (tps["mtp"] - 0.05) / (tps["standard"] + 0.05) - 1e-4 <= ratio <= \
         (tps["mtp"] + 0.05) / (tps["standard"] - 0.05) + 1e-4
     assert ratio == pytest.approx(res["speed"]["ratio"], abs=1e-4)
-    headline = htmllib.unescape(re.search(r'<div class="mtp-headline">(.*?)</div>', out["speed"]).group(1))
-    assert headline.times_text(ratio) in headline
+    sentence = htmllib.unescape(re.search(r'<div class="mtp-headline">(.*?)</div>', out["speed"]).group(1))
+    assert headline.times_text(ratio) in sentence
     # the different measure: the race chart's ends are the plain sums, and the headline's details say their ratio
     race = jsonlib.loads(out["race"]["plot"])["data"]
     ends = [trace["x"][-1] for trace in race]
