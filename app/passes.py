@@ -139,10 +139,9 @@ class PassScheduler:
             except BaseException as e:  # noqa: BLE001 - never leave a session waiting
                 log.exception("the pass loop failed")
                 for job in jobs:
-                    if not job.done.is_set():
+                    if job.record is None and job.error is None:
                         job.error = e
-                        job.done.set()
-                ran = []
+                ran = jobs
             with self._cond:
                 done = set(map(id, ran))
                 self._queue = [j for j in jobs if id(j) not in done and not j.done.is_set()] + self._queue
