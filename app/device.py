@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -44,6 +45,10 @@ SWEEP_TAUS = (0.5, 0.7, 0.9, 0.99)
 SWEEP_MAX_NEW_TOKENS = 48
 #: Largest k_max a measured sweep uses (the model's own k_max when smaller).
 SWEEP_K_MAX = 8
+#: Models whose facts (width profile, sweeps) :class:`ModelFacts` keeps, the least recently used forgotten first:
+#: every source ever loaded would otherwise leave its facts behind. Well above the registry's capacity, so that a
+#: model loaded again soon finds its width profile and a sweep measured on the page (minutes) is kept.
+MAX_FACTS_KEPT = 16
 
 
 @dataclass(frozen=True)
@@ -159,7 +164,8 @@ def locked_view(lm: LoadedModel, lock: Any) -> LoadedModel:
 
 
 class ModelFacts:
-    """Width profiles and sweeps of the loaded models, cached per model key ``(source, quantization, precision)``.
+    """Width profiles and sweeps of the loaded models, cached per model key ``(source, quantization, precision)``,
+    for at most :data:`MAX_FACTS_KEPT` models (the least recently used forgotten first).
 
     Args:
         lock: the app's forward lock (:func:`app.passes.exclusive`): the width measurement holds it, so
@@ -173,6 +179,22 @@ class ModelFacts:
         self._profile_errors: dict[tuple, str] = {}
         self._shipped: dict[tuple, Sweep | None] = {}
         self._measured: dict[tuple, Sweep] = {}
+        self._recent: OrderedDict[tuple, None] = OrderedDict()  # the keys above, least recently used first
+
+    def _touch(self, key: tuple) -> None:
+        """Mark ``key`` used (with the mutex held); forget the least recently used models past
+        :data:`MAX_FACTS_KEPT`."""
+        self._recent[key] = None
+        self._recent.move_to_end(key)
+        while len(self._recent) > MAX_FACTS_KEPT:
+            old, _ = self._recent.popitem(last=False)
+            for facts in (self._profiles, self._profile_errors, self._shipped, self._measured):
+                facts.pop(old, None)
+
+    def kept(self) -> list[tuple]:
+        """The model keys whose facts are kept, least recently used first."""
+        with self._mutex:
+            return list(self._recent)
 
     # ------------------------------------------------------------------ width
     def profile(self, key: tuple, lm: LoadedModel | None = None) -> WidthProfile | None:
@@ -181,6 +203,7 @@ class ModelFacts:
         :meth:`profile_error` says why)."""
         with self._mutex:
             if key in self._profiles:
+                self._touch(key)
                 return self._profiles[key]
         if lm is None:
             return None
@@ -195,9 +218,11 @@ class ModelFacts:
             with self._mutex:
                 self._profile_errors[key] = f"{type(e).__name__}: {e}"
                 self._profiles[key] = None
+                self._touch(key)
             return None
         with self._mutex:
             self._profiles[key] = prof
+            self._touch(key)
         return prof
 
     def put_profile(self, key: tuple, profile: WidthProfile | None) -> None:
@@ -205,6 +230,7 @@ class ModelFacts:
         if profile is not None:
             with self._mutex:
                 self._profiles[key] = profile
+                self._touch(key)
 
     def profile_error(self, key: tuple) -> str | None:
         """Why the width profile of ``key`` could not be measured, if it failed."""
@@ -217,10 +243,13 @@ class ModelFacts:
         with self._mutex:
             known = key in self._shipped
             shipped = self._shipped.get(key)
+            if known:
+                self._touch(key)
         if not known and lm is not None:
             shipped = load_sweep(getattr(lm, "checkpoint_dir", None))
             with self._mutex:
                 self._shipped[key] = shipped
+                self._touch(key)
         if shipped is not None:
             return shipped, "shipped"
         with self._mutex:
@@ -231,6 +260,7 @@ class ModelFacts:
         """Keep a sweep measured by the page for model ``key``."""
         with self._mutex:
             self._measured[key] = sweep
+            self._touch(key)
 
     def acceptance(self, key: tuple, lm: LoadedModel) -> tuple[tuple, str]:
         """``(acceptance by draft position, where it comes from)``: the sweep's lossless point with the largest

@@ -33,6 +33,14 @@ log = logging.getLogger(__name__)
 STOP_DIR = Path(tempfile.gettempdir()) / f"mtp-lens-stop-{os.getpid()}"
 #: Conversations the server keeps (one per recent session); the oldest session is forgotten first.
 MAX_SESSIONS_KEPT = 256
+#: Characters of conversation the server keeps over all sessions, each message charged its text (answers of both
+#: sides) plus :data:`MESSAGE_CHARGE`; past it the least recently answered sessions are forgotten first (never the
+#: one just recorded). A conversation is bounded only loosely by the prompt limit (the MTP answers riding along
+#: are not part of the prompt), so the count of sessions alone does not bound the memory: this does, to about
+#: 4 bytes a character (~16 MB of text at worst, a few MB of plain English).
+MAX_KEPT_CHARS = 4_000_000
+#: What a message's dict costs beside its text, in characters (CPython: ~300 bytes per ``{"role", "content"}``).
+MESSAGE_CHARGE = 256
 #: Answer points kept per session (the trade-off figure).
 MAX_POINTS_KEPT = 200
 #: Messages that may wait per session behind its running turn (one more while that turn is stopping).
@@ -110,13 +118,16 @@ class RunTicket:
 
 class SessionRuns:
     """Each session's running turn, the messages waiting behind it, its conversation as the server saw it end,
-    and its trade-off points (module docstring). Bounded: :data:`MAX_SESSIONS_KEPT` sessions,
-    :data:`MAX_POINTS_KEPT` points each, :data:`MAX_WAITING` waiting messages each."""
+    and its trade-off points (module docstring). Bounded: :data:`MAX_SESSIONS_KEPT` sessions and
+    :data:`MAX_KEPT_CHARS` characters of conversation in all, :data:`MAX_POINTS_KEPT` points each,
+    :data:`MAX_WAITING` waiting messages each."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._queues: dict[str, list[RunTicket]] = {}  # running ticket first, then the waiting ones
         self._conversations: OrderedDict[str, list[dict]] = OrderedDict()
+        self._chars: dict[str, int] = {}  # each kept conversation's charge (_charge)
+        self._kept_chars = 0  # their sum
         self._points: OrderedDict[str, list[dict]] = OrderedDict()
 
     def enter(self, session: str | None) -> RunTicket | None:
@@ -174,11 +185,22 @@ class SessionRuns:
             self._keep(session, history)
 
     def _keep(self, session: str, history: list[dict]) -> None:
-        """:meth:`remember` with the lock held."""
+        """:meth:`remember` with the lock held: at most :data:`MAX_SESSIONS_KEPT` conversations and
+        :data:`MAX_KEPT_CHARS` characters in all are kept, the least recently recorded sessions forgotten first."""
         self._conversations[session] = list(history)
         self._conversations.move_to_end(session)
-        while len(self._conversations) > MAX_SESSIONS_KEPT:
-            self._conversations.popitem(last=False)
+        charge = _charge(history)
+        self._kept_chars += charge - self._chars.get(session, 0)
+        self._chars[session] = charge
+        while len(self._conversations) > MAX_SESSIONS_KEPT or (
+                self._kept_chars > MAX_KEPT_CHARS and len(self._conversations) > 1):
+            old, _ = self._conversations.popitem(last=False)
+            self._kept_chars -= self._chars.pop(old, 0)
+
+    def kept_chars(self) -> int:
+        """Characters of conversation kept over all sessions (as :data:`MAX_KEPT_CHARS` counts them)."""
+        with self._lock:
+            return self._kept_chars
 
     def conversation(self, session: str | None, sent: list[dict], *, page: bool = False) -> list[dict]:
         """The conversation a new turn continues. The page's own turns (``page``) continue the server's record of
@@ -231,6 +253,11 @@ class SessionRuns:
                     del self._queues[ticket.session]
             ticket._conversation = None
         ticket.ended.set()
+
+
+def _charge(history: Sequence[dict]) -> int:
+    """A conversation's charge against :data:`MAX_KEPT_CHARS`: its messages' text and :data:`MESSAGE_CHARGE` each."""
+    return sum(MESSAGE_CHARGE + sum(len(v) for v in m.values() if isinstance(v, str)) for m in history)
 
 
 def _same_messages(a: Sequence[dict], b: Sequence[dict]) -> bool:

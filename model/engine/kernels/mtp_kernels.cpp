@@ -315,10 +315,19 @@ static inline void share(int64_t nb, int tid, int nt, int64_t* b0, int64_t* b1) 
   *b1 = u1 * 4 < nb ? u1 * 4 : nb;
 }
 
-// Per-thread scratch (grows, never shrinks).
+// A thread's scratch buffer (grown as needed). A thread's buffers are freed at the end of a pass when together they
+// hold more than SCRATCH_KEEP_FLOATS (trim_scratch): a long prefill or scoring pass (T in the thousands, logits
+// kept for hundreds of rows) needs ~100-300 MB, which every thread that ever ran one would otherwise keep for
+// its life (a web server's worker threads: defect 6). Decoding passes (tens of rows, logits of as many) stay
+// under it and keep theirs.
+static const int64_t SCRATCH_KEEP_FLOATS = 8 << 20;  // 32 MB per thread
+struct Scratch;
+static thread_local Scratch* t_scratch = nullptr;  // the calling thread's buffers, a list
 struct Scratch {
   float* p = nullptr;
   int64_t n = 0;
+  Scratch* next;
+  Scratch() : next(t_scratch) { t_scratch = this; }
   float* get(int64_t want) {
     if (want > n) {
       free(p);
@@ -329,6 +338,16 @@ struct Scratch {
   }
   ~Scratch() { free(p); }
 };
+static void trim_scratch() {
+  int64_t held = 0;
+  for (Scratch* s = t_scratch; s; s = s->next) held += s->n;
+  if (held <= SCRATCH_KEEP_FLOATS) return;
+  for (Scratch* s = t_scratch; s; s = s->next) {
+    free(s->p);
+    s->p = nullptr;
+    s->n = 0;
+  }
+}
 
 // y[T, n] (row stride ldy) = x[T, k] W^T (+ bias), rounded to the dtype; then the rows where amask is 1 get
 // the adapter's delta (peft's order: base result in the dtype + float32 delta, rounded again).
@@ -598,8 +617,18 @@ TGT2 static void silu_mul(const float* gu, int64_t ld, int T, int inter, float* 
   }
 }
 
+static int forward_batch(const mtp_model* M, float* x, int32_t T, const mtp_batch* B, const float* cos,
+                         const float* sin_f, float* logits, int32_t nt);
+
 extern "C" int mtp_forward_batch(const mtp_model* M, float* x, int32_t T, const mtp_batch* B, const float* cos,
                                  const float* sin_f, float* logits, int32_t nt) {
+  const int rc = forward_batch(M, x, T, B, cos, sin_f, logits, nt);
+  trim_scratch();
+  return rc;
+}
+
+static int forward_batch(const mtp_model* M, float* x, int32_t T, const mtp_batch* B, const float* cos,
+                         const float* sin_f, float* logits, int32_t nt) {
   // x: [T, hidden] the embeddings of every sequence's rows (float32 holding dtype values), updated in place.
   // cos / sin_f: [T, hd] (each row's rotary table row, sin's first half negated).
   // logits: [B->nkeep, head.n] float32 (rounded to the dtype) of the rows B->keep.
