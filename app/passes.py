@@ -148,6 +148,7 @@ class PassScheduler:
                 self._last = {j.client for j in ran if j.client is not None} & self._open
             for job in ran:
                 job.done.set()
+            del jobs, ran  # an idle loop holds no decoder (nor its KV cache and model) alive
 
     def _waiting_for(self) -> bool:
         """An open client of the last pass has not handed in its next pass yet."""
