@@ -291,7 +291,9 @@ def test_the_pages_figures_agree_on_a_loaded_cpu(client):
         assert time_s == pytest.approx(prefill + (passes - 1) * per_pass, abs=0.006 + 0.0005 * passes)
         assert tps[side] == pytest.approx(tokens / time_s, rel=0.01, abs=0.06)
         timing = res[side]["timing"]
-        assert round(timing["seconds"], 2) == time_s and round(timing["tokens_per_second"], 1) == tps[side]
+        # the summary carries 3 decimals, the counter 1 of the unrounded value: rounding the summary's value again
+        # can land on the other side of a half (18.95004 -> 18.95 -> 18.9 where the counter shows 19.0)
+        assert round(timing["seconds"], 2) == time_s and abs(timing["tokens_per_second"] - tps[side]) <= 0.0505
         assert measured == round(res[side]["seconds"], 2) == round(sum(res[side]["pass_seconds"]), 2)
         exact_tps[side] = timing["tokens_per_second"]
     ratio = float(re.search(r'data-ratio="([0-9.]+)"', out["speed"]).group(1))
