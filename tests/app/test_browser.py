@@ -420,6 +420,17 @@ def busy():
     proc.wait()
 
 
+def every_turn_kept(pg, asked: list[str]) -> tuple[list[str], list[str]]:
+    """Both panes and the page's history hold every message asked, in order, an answer each, no error badge;
+    returns the two panes' answers."""
+    assert questions(pg, "chat-standard") == asked and questions(pg, "chat-mtp") == asked
+    std, mtp = answers(pg, "chat-standard"), answers(pg, "chat-mtp")
+    assert len(std) == len(mtp) == len(asked) and no_error_badges(pg)
+    pg.wait_for_function("(qs) => qs.every(q => document.querySelector('#history').textContent.includes(q))",
+                         arg=asked, timeout=30_000)
+    return std, mtp
+
+
 def test_stop_then_send_keeps_every_turn(page, served, busy):
     """A long answer, Stop after 3.5 s, then Send at once (the Stop and the message travel apart), five times, on a
     loaded machine: every stopped turn and its partial answers stay in both panes and in the page's history, and
@@ -438,13 +449,8 @@ def test_stop_then_send_keeps_every_turn(page, served, busy):
         page.click("#send")  # no delay
         asked += [story, follow]
         wait_status(page, f"Turn {2 * i + 2}: done in")
-        assert questions(page, "chat-standard") == asked and questions(page, "chat-mtp") == asked
-        std, mtp = answers(page, "chat-standard"), answers(page, "chat-mtp")
-        assert len(std) == len(mtp) == len(asked)
+        std, mtp = every_turn_kept(page, asked)
         assert std[-2] and mtp[-2]  # the stopped turn's partial answers stay
-        page.wait_for_function("(qs) => qs.every(q => document.querySelector('#history').textContent.includes(q))",
-                               arg=asked, timeout=30_000)
-        assert no_error_badges(page)
 
 
 def test_enter_stop_then_another_message_loses_none(page, served, busy):
@@ -468,11 +474,8 @@ def test_enter_stop_then_another_message_loses_none(page, served, busy):
         page.click("#send")
         asked += [story, x, y]
         wait_status(page, f"Turn {3 * i + 3}: done in")
-        assert questions(page, "chat-standard") == asked and questions(page, "chat-mtp") == asked
-        assert all(answers(page, "chat-standard")) and no_error_badges(page)
-        assert page.input_value("#message textarea") == ""
-        page.wait_for_function("(qs) => qs.every(q => document.querySelector('#history').textContent.includes(q))",
-                               arg=asked, timeout=30_000)
+        std, _ = every_turn_kept(page, asked)
+        assert all(std) and page.input_value("#message textarea") == ""
 
 
 @pytest.mark.parametrize("size", [(390, 844), (1280, 900)])
