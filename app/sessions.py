@@ -128,7 +128,7 @@ class SessionRuns:
         self._conversations: OrderedDict[str, list[dict]] = OrderedDict()
         self._chars: dict[str, int] = {}  # each kept conversation's charge (_charge)
         self._kept_chars = 0  # their sum
-        self._points: OrderedDict[str, list[dict]] = OrderedDict()
+        self._points: OrderedDict[str, list[AnswerPoint]] = OrderedDict()
 
     def enter(self, session: str | None) -> RunTicket | None:
         """A ticket for a new message in ``session``: already started when the session is idle, else waiting
