@@ -45,7 +45,7 @@ from .requests import (
     parse_history,
     parse_source,
 )
-from .sessions import SessionRuns, stop_requested
+from .sessions import MAX_WAITING, SessionRuns, stop_requested
 from .turn import history_after, prepare_turn, run_turn
 from .zerogpu import GPU_SWEEP_SECONDS, gpu_seconds, on_gpu, zero_gpu
 
@@ -185,11 +185,11 @@ class Page:
                 extra = {"point": answer_point(state), "profile": prof.to_dict() if prof else None}
             yield out, state.final, history_after(state), extra
 
-    def turn_updates(self, request: TurnRequest, session: str | None, *, page: bool) -> Iterator[tuple]:
+    def turn_updates(self, request: TurnRequest, session: str | None) -> Iterator[tuple]:
         """A turn in its session, as :data:`~app.outputs.TURN_OUTPUTS` tuples: the message waits behind the
         session's turn still answering (a notice says so), then runs as the session's next turn, continuing its
-        conversation as recorded (``page``; an API client's history otherwise, see
-        :meth:`~app.sessions.SessionRuns.conversation`)."""
+        conversation as the server recorded it (:meth:`~app.sessions.SessionRuns.conversation`). ``session`` None
+        (API and MCP clients): no queue, no record, the history sent is the conversation."""
         try:
             check_message(request.message)  # an empty message never takes a place in the queue
         except RequestError as e:
@@ -197,23 +197,24 @@ class Page:
             return
         ticket = self.sessions.enter(session)
         if ticket is None:
-            yield refused_outputs("One message already waits for the answer in progress; this one stays in the "
-                                  "box. Send it when that answer has started, or press Stop.")
+            yield refused_outputs(f"{MAX_WAITING} messages already wait for the answer in progress; this one stays "
+                                  "in the box. Send it when one of them has started, or press Stop.")
             return
         with ticket:
             if not ticket.started.is_set():
-                running = self.sessions.current(session)
+                running, ahead = self.sessions.current(session), self.sessions.waiting(session) - 1
                 n = f" (turn {running.turn_number})" if running is not None and running.turn_number else ""
+                after = f", then for the {ahead} message sent before it" if ahead == 1 else ""
                 yield outputs_of(message="", notice=notice_html(
-                    f"Your message waits for the answer in progress{n} to end and is answered next; Stop ends "
-                    "that answer now."))
+                    f"Your message waits for the answer in progress{n} to end{after}, and is answered then; Stop "
+                    "ends that answer now."))
                 ticket.wait_turn()
             try:
                 sent = parse_history(request.history)
             except RequestError as e:
                 yield error_outputs(str(e))
                 return
-            conversation = self.sessions.conversation(session, sent, page=page)
+            conversation = self.sessions.conversation(session, sent)
             ticket.turn_number = sum(1 for m in conversation if m["role"] == "user") + 1
             request = request.with_(history=conversation, run_id=ticket.run_id, model_key=self.key_of(request.key))
             yield from self._run_ticket(request, ticket, session)
@@ -245,12 +246,13 @@ class Page:
         (:func:`~app.outputs.box_command`: a message the user typed since is never replaced)."""
         turn = TurnRequest(message, history, strategy, tau, k_max, k, max_new_tokens, model_key, shape)
         sent = "" if message is None else str(message)
-        for out in self.turn_updates(turn, session_of(request), page=True):
+        for out in self.turn_updates(turn, session_of(request)):
             yield (box_command(out[0], sent),) + tuple(out[1:])
 
     def chat_api(self, message: str, history: list, strategy: str, tau: float, k_max: int, k: int,
                  max_new_tokens: int, shape: str, model_key: Any, request: gr.Request = None) -> tuple:
         """Answer one chat message with standard decoding and an MTP strategy side by side (MCP tool and /chat).
+        Every call is independent: the conversation is exactly the history given.
 
         Args:
             message: the user's message.
@@ -264,14 +266,15 @@ class Page:
             model_key: [source, quantization, precision], e.g. ["smollm2-135m", "none", "auto"].
 
         Returns:
-            Every output of :data:`~app.outputs.TURN_OUTPUTS` as a plain value; ``result`` holds the figures as
-            JSON (both answers, tokens per second, forward passes, effective k, the speedup).
+            15 plain values (message box, history, panes, counters, headline, figures, table, status, notice,
+            trade-off figure, result); the last, result, is a JSON summary: both answers, tokens per second,
+            forward passes, effective k and the speedup.
         """
         start = {name: None for name in TURN_OUTPUTS}
         start.update(message=message, history=history if isinstance(history, list) else [], notice="", status="",
                      speed="", table="")
         turn = TurnRequest(message, history, strategy, tau, k_max, k, max_new_tokens, model_key, shape, stream=False)
-        return plain_outputs(self.turn_updates(turn, session_of(request), page=False), start)
+        return plain_outputs(self.turn_updates(turn, None), start)  # independent calls: no shared record
 
     def stop(self, request: gr.Request = None):
         """Stop: the session's running answer ends before its next pass (a waiting message then starts)."""
@@ -337,14 +340,13 @@ class Page:
         """Load another model for the chat (MCP tool and /load_model); a model that cannot load leaves the current one.
 
         Args:
-            choice: a model source: "smollm2-135m" (the embedded default), a hub id such as
-                "jwkirchenbauer/L3-1-8B-Magpie-MTP" (needs network; a GPU for the large ones), or a local path.
-            local_path: a local path or hub id that overrides ``choice`` when not empty.
+            choice: "smollm2-135m" (the embedded default), a hub id (needs network) or a local path.
+            local_path: a local path or hub id that replaces choice when not empty.
             quantization: "none", "4bit" or "8bit" (bitsandbytes, CUDA only).
             precision: "auto" (bf16 where the hardware computes it natively), "float32" or "bfloat16".
 
         Returns:
-            (model key, model info as HTML, status line as HTML, the model's k_max), every one a plain value.
+            (model info as HTML, status line as HTML, the model's k_max), plain values.
         """
         try:
             key, lm = self.load(choice, local_path, quantization, precision)

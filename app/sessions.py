@@ -202,18 +202,13 @@ class SessionRuns:
         with self._lock:
             return self._kept_chars
 
-    def conversation(self, session: str | None, sent: list[dict], *, page: bool = False) -> list[dict]:
-        """The conversation a new turn continues. The page's own turns (``page``) continue the server's record of
-        the session whenever it has one: it is recorded as each turn ends, so it holds turns the page has not
-        shown yet and is empty after Clear. An API client's turn continues what it sent, unless the server's
-        record is longer and starts with it."""
+    def conversation(self, session: str | None, sent: list[dict]) -> list[dict]:
+        """The conversation a page's new turn continues: the server's record of the session whenever it has one (it
+        is recorded as each turn ends, so it holds turns the page has not shown yet, and is empty after Clear),
+        else what the page sent."""
         with self._lock:
             known = self._conversations.get(session) if session is not None else None
-        if known is None:
-            return sent
-        if page or (len(known) > len(sent) and _same_messages(known[: len(sent)], sent)):
-            return list(known)
-        return sent
+        return sent if known is None else list(known)
 
     def add_point(self, session: str | None, point: AnswerPoint) -> None:
         """Keep a finished answer's point for the session's trade-off figure (:func:`app.quality.answer_point`)."""
@@ -258,7 +253,3 @@ class SessionRuns:
 def _charge(history: Sequence[dict]) -> int:
     """A conversation's charge against :data:`MAX_KEPT_CHARS`: its messages' text and :data:`MESSAGE_CHARGE` each."""
     return sum(MESSAGE_CHARGE + sum(len(v) for v in m.values() if isinstance(v, str)) for m in history)
-
-
-def _same_messages(a: Sequence[dict], b: Sequence[dict]) -> bool:
-    return [(m["role"], m["content"]) for m in a] == [(m["role"], m["content"]) for m in b]

@@ -73,9 +73,9 @@ def rss_mb() -> float:
 
 
 def _turn(page: Page, i: int, session: str = "s1") -> dict:
-    out = page.chat_api(f"Question {i}: count to three.", [], "ConfAdapt", 0.9, 4, 3, 12, "linear", KEY,
-                        types.SimpleNamespace(session_hash=session))
-    return dict(zip(TURN_OUTPUTS, out))
+    *_, last = page.chat(f"Question {i}: count to three.", [], "ConfAdapt", 0.9, 4, 3, 12, "linear", KEY,
+                         types.SimpleNamespace(session_hash=session))  # the page's own turn: recorded per session
+    return dict(zip(TURN_OUTPUTS, last))
 
 
 def test_fifty_turns_in_one_session_keep_the_resident_set_within_the_margin(tiny_registry):
@@ -87,7 +87,7 @@ def test_fifty_turns_in_one_session_keep_the_resident_set_within_the_margin(tiny
         out = _turn(page, i)
         assert "done" in str(out["status"]), out["status"]  # every turn answered (none refused as too long)
     after = rss_mb()
-    kept = page.sessions.conversation("s1", [], page=True)
+    kept = page.sessions.conversation("s1", [])
     assert len(kept) == 2 * (WARMUP_TURNS + TURNS)
     assert len(page.sessions.points("s1")) == WARMUP_TURNS + TURNS
     print(f"RSS {before:.1f} MB after {WARMUP_TURNS} turns, {after:.1f} MB after {TURNS} more "
@@ -104,8 +104,8 @@ def test_sessions_keep_a_bounded_number_of_conversations_and_points():
     for _ in range(MAX_POINTS_KEPT + 50):
         runs.add_point("s299", point)
     assert len(runs._conversations) == MAX_SESSIONS_KEPT and len(runs._points) == MAX_SESSIONS_KEPT
-    assert runs.conversation("s0", [], page=True) == [] and runs.points("s0") == []  # the oldest forgotten
-    assert len(runs.conversation("s299", [], page=True)) == 2
+    assert runs.conversation("s0", []) == [] and runs.points("s0") == []  # the oldest forgotten
+    assert len(runs.conversation("s299", [])) == 2
     assert len(runs.points("s299")) == MAX_POINTS_KEPT
 
 
@@ -119,13 +119,13 @@ def test_sessions_keep_a_bounded_number_of_characters_in_all():
         assert runs.kept_chars() <= MAX_KEPT_CHARS
     kept = MAX_KEPT_CHARS // charge
     assert len(runs._conversations) == kept and runs.kept_chars() == kept * charge
-    assert runs.conversation("s99", [], page=True) == conversation  # the most recent ones are kept
-    assert runs.conversation(f"s{99 - kept}", [], page=True) == []  # the oldest forgotten first
+    assert runs.conversation("s99", []) == conversation  # the most recent ones are kept
+    assert runs.conversation(f"s{99 - kept}", []) == []  # the oldest forgotten first
     runs.remember("s99", [])  # Clear: its characters are freed
     assert runs.kept_chars() == (kept - 1) * charge
     huge = [{"role": "user", "content": "y" * (MAX_KEPT_CHARS + 1)}]
     runs.remember("big", huge)  # one conversation over the budget alone: kept (its turn continues it), alone
-    assert list(runs._conversations) == ["big"] and runs.conversation("big", [], page=True) == huge
+    assert list(runs._conversations) == ["big"] and runs.conversation("big", []) == huge
 
 
 def _raising_loader(source, quantization=None, dtype=None):

@@ -28,7 +28,7 @@ def test_a_message_sent_while_a_turn_runs_waits_for_it_in_order():
     first.record(STOPPED)
     first.release()  # the run ends: its conversation is kept and the waiting message starts, in one step
     assert second.started.is_set() and first.ended.is_set() and runs.current("s1") is second
-    assert runs.conversation("s1", [], page=True) == STOPPED
+    assert runs.conversation("s1", []) == STOPPED
     second.release()
     other.release()
     assert runs.current("s1") is None and runs.waiting("s1") == 0
@@ -44,7 +44,7 @@ def test_stop_ends_the_running_turn_only_and_clear_wins_over_stop():
     first.record(STOPPED)
     runs.remember("s", [])
     first.release()  # a cleared run keeps no conversation; the waiting message starts the new one
-    assert waiting.started.is_set() and runs.conversation("s", STOPPED, page=True) == []
+    assert waiting.started.is_set() and runs.conversation("s", STOPPED) == []
     waiting.release()
     assert not runs.request_stop("s") and runs.enter(None).started.is_set()
 
@@ -60,12 +60,11 @@ def test_a_waiting_message_that_leaves_never_blocks_the_next():
     third.release()
 
 
-def test_the_page_continues_the_servers_record_and_an_api_client_its_own_history():
+def test_the_page_continues_the_servers_record_and_a_call_without_a_session_its_own_history():
     runs = SessionRuns()
     runs.remember("s", STOPPED)
     other = [{"role": "user", "content": "A different chat."}, {"role": "assistant", "content": "Yes."}]
-    assert runs.conversation("s", [], page=True) == STOPPED  # the page had not shown the last turn yet
-    assert runs.conversation("s", other, page=True) == STOPPED  # the server's record is the session's
-    assert runs.conversation("s", other) == other  # an API client's own history
-    assert runs.conversation("s", STOPPED[:1]) == STOPPED  # ... unless the record extends it
-    assert runs.conversation("new", other, page=True) == other  # no record yet
+    assert runs.conversation("s", []) == STOPPED  # the page had not shown the last turn yet
+    assert runs.conversation("s", other) == STOPPED  # the server's record is the session's
+    assert runs.conversation(None, other) == other  # API and MCP calls: exactly the history they send
+    assert runs.conversation("new", other) == other  # no record yet

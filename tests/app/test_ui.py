@@ -207,32 +207,20 @@ def test_api_outputs_are_plain_values(tiny_served):
     assert not raw_updates(out) and out["result"] == {"phase": "error",
                                                       "status": "The message is empty: type a question first."}
     assert out["message"] == "\u200b\u200b\u200d " and "The message is empty" in out["status"]
-    # one answer at a time: a message sent meanwhile waits and is answered next; one more is refused and stays
+    # every call is independent (API and MCP clients): two at once both run, each continuing exactly the history it
+    # sends, nothing recorded between them ([] is a new chat, even from the same client)
     from app.ui import TURN_OUTPUTS
 
-    sessions = demo.mtp_sessions
-    job = c.submit("Tell me a long story.", [], "ConfAdapt", 0.9, 4, 3, 1000, "linear", api_name="/chat")
-    deadline = time.time() + 60
-    while sessions.current(c.session_hash) is None and time.time() < deadline:
-        time.sleep(0.02)
-    waiting = c.submit("What is 2 plus 2?", [], "ConfAdapt", 0.9, 4, 3, 8, "linear", api_name="/chat")
-    while sessions.waiting(c.session_hash) < 1 and time.time() < deadline:
-        time.sleep(0.02)
-    also = c.submit("What is 2 plus 5?", [], "ConfAdapt", 0.9, 4, 3, 8, "linear", api_name="/chat")
-    while sessions.waiting(c.session_hash) < 2 and time.time() < deadline:
-        time.sleep(0.02)
-    refused = ask(c, "And 3 plus 3?")
-    assert not raw_updates(refused) and refused["result"]["phase"] == "refused"
-    assert refused["message"] == "And 3 plus 3?" and "already waits" in refused["notice"]
-    sessions.request_stop(c.session_hash)
-    first = dict(zip(TURN_OUTPUTS, job.result()))
-    second = dict(zip(TURN_OUTPUTS, waiting.result()))
-    assert not raw_updates(first) and first["result"]["phase"] == "stopped"
-    assert second["result"]["phase"] == "done"
-    assert second["result"]["turn"] == first["result"]["turn"] + 1  # the turn after the stopped one, with it
-    assert second["history"][: len(first["history"])] == first["history"]
-    third = dict(zip(TURN_OUTPUTS, also.result()))
-    assert third["result"]["turn"] == second["result"]["turn"] + 1
+    jobs = [c.submit("My name is Bob. Say hello.", [], "ConfAdapt", 0.9, 4, 3, 8, "linear", api_name="/chat"),
+            c.submit("What is 2 plus 2?", [], "ConfAdapt", 0.9, 4, 3, 8, "linear", api_name="/chat")]
+    outs = [dict(zip(TURN_OUTPUTS, job.result())) for job in jobs]
+    assert [o["result"]["phase"] for o in outs] == ["done", "done"] and all(not raw_updates(o) for o in outs)
+    assert [o["result"]["turn"] for o in outs] == [1, 1] and [len(o["history"]) for o in outs] == [2, 2]
+    again = ask(c, "What is my name?")
+    assert again["result"]["turn"] == 1 and again["history"][0]["content"] == "What is my name?"
+    follow = ask(c, "And again?", history=outs[0]["history"])
+    assert follow["result"]["turn"] == 2 and follow["history"][:2] == outs[0]["history"]
+    assert demo.mtp_sessions.current(c.session_hash) is None and demo.mtp_sessions.waiting(c.session_hash) == 0
     # /load_model: (model info, status, k_max), plain also when the model cannot load
     info, status, k_max = c.predict("smollm2-135m", "tiny", "none", "auto", api_name="/load_model")
     assert "Loaded tiny" in status and k_max == 16 and "<code>tiny</code>" in info
@@ -412,7 +400,7 @@ def test_a_turn_starts_only_after_the_stopped_run_has_ended_and_recorded_its_ans
     last = outputs[-1]
     assert last["result"]["phase"] == "done" and last["result"]["turn"] == 2
     assert last["history"][:2] == stopped and last["history"][2] == {"role": "user", "content": "What next?"}
-    assert sessions.conversation("s", [], page=True) == last["history"]
+    assert sessions.conversation("s", []) == last["history"]
 
 
 def test_a_turn_that_ends_without_its_last_update_keeps_its_message(tiny_registry):
@@ -428,7 +416,7 @@ def test_a_turn_that_ends_without_its_last_update_keeps_its_message(tiny_registr
         next(gen)
     gen.close()  # closed mid-turn, before its final update
     assert sessions.current("s") is None
-    kept = sessions.conversation("s", [], page=True)
+    kept = sessions.conversation("s", [])
     assert kept[0] == {"role": "user", "content": "Tell me a long story."} and kept[1]["role"] == "assistant"
     outs = [dict(zip(ui.TURN_OUTPUTS, o)) for o in chat("And then?", [], "ConfAdapt", 0.9, 4, 3, 4, "linear", key,
                                                      _request("s"))]
@@ -440,7 +428,7 @@ def test_a_turn_that_ends_without_its_last_update_keeps_its_message(tiny_registr
     sessions.request_stop("s", "cleared")
     sessions.remember("s", [])
     gen.close()
-    assert sessions.conversation("s", [], page=True) == []
+    assert sessions.conversation("s", []) == []
 
 
 def test_the_chat_is_an_mcp_tool_an_agent_can_read_and_call(tiny_served):
