@@ -36,15 +36,7 @@ from .outputs import (
 from .passes import SHARED, PassScheduler
 from .quality import answer_point
 from .registry import ModelRegistry
-from .requests import (
-    TurnRequest,
-    app_k_max,
-    check_message,
-    k_max_limit,
-    load_examples,
-    parse_history,
-    parse_source,
-)
+from .requests import TurnRequest, app_k_max, check_message, k_max_limit, load_examples, parse_history, parse_source
 from .sessions import MAX_WAITING, SessionRuns, stop_requested
 from .turn import history_after, prepare_turn, run_turn
 from .zerogpu import GPU_SWEEP_SECONDS, gpu_seconds, on_gpu, zero_gpu
