@@ -110,10 +110,11 @@ class KernelForward:
 
     Attributes:
         source: the model object the weights were packed from.
-        isa: the kernel path (``"avx512bf16"`` or ``"avx2"``).
+        isa: the kernel path (``"amx"``, ``"avx512bf16"`` or ``"avx2"``).
+        emulated: the AMX path runs in software emulation (``MTP_AMX_EMULATE``; a test, not a speed).
     """
 
-    def __init__(self, model: Any, isa: str, lib: ctypes.CDLL):
+    def __init__(self, model: Any, isa: str, lib: ctypes.CDLL, emulated: bool = False):
         hf, peft_model = unwrap(model)
         adapter = check_supported(hf, peft_model)
         device = next(hf.parameters()).device
@@ -124,7 +125,7 @@ class KernelForward:
         if dtype not in DTYPES:
             raise Unsupported(f"our kernels compute bfloat16 or float32 (model in {dtype})")
         cfg, inner = hf.config, hf.model
-        self.source, self.isa, self.lib = model, isa, lib
+        self.source, self.isa, self.lib, self.emulated = model, isa, lib, emulated
         self.device, self.dtype = device, dtype
         heads = cfg.num_attention_heads
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -134,7 +135,8 @@ class KernelForward:
         self.kv_heads, self.head_dim, self.num_layers = kv, hd, len(inner.layers)
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
         self.rotary_table = RotaryTable(inner.rotary_emb, hd, dtype, device, self.max_positions)
-        self.layout = 0 if dtype == torch.float32 else (2 if isa == "avx512bf16" else 1)
+        # bf16 pairs: vdpbf16ps's operands, and also the AMX tiles' layout
+        self.layout = 0 if dtype == torch.float32 else (2 if isa in ("avx512bf16", "amx") else 1)
         # The adapter's factors of a bf16 model are stored in bf16 and multiplied in float32 (u = x A^T stays
         # float32): half the 39 MB a mask pass reads in float32 (SmolLM2, rank 32: 3.7 -> 2.5 ms for one mask
         # row); the mask rows' argmax equals peft's (float32 factors) on 60 of 60 rows, as with float32 factors.
@@ -242,6 +244,8 @@ class KernelForward:
     def describe(self) -> str:
         """One line: what this path does (the CLI, the benchmark and the app show it)."""
         parts = [f"our kernels ({self.isa})", str(self.dtype).replace("torch.", "")]
+        if self.emulated:
+            parts.append("AMX emulated in software")
         if self.adapter_kind:
             parts.append("aLoRA on mask rows" if self.adapter_kind == "alora" else "LoRA on all rows")
         return ", ".join(parts)
@@ -344,4 +348,4 @@ def build_kernel_engine(model: Any) -> KernelForward | None:
     st = K.status()
     if st.isa is None:
         return None
-    return KernelForward(model, st.isa, st.library)
+    return KernelForward(model, st.isa, st.library, emulated=st.emulated)

@@ -4,7 +4,9 @@ across runs and thread counts, close to transformers, and chosen / refused as MT
 Exactness here is bit equality (``torch.equal``), never a tolerance: each row of a T-token pass against the
 one-token pass of the same token after the same KV cache (:func:`model.engine.exactness.row_exactness`), for
 T = 2 .. 32, linear and tree layouts, with and without the adapter, bf16 and float32, every kernel path this
-CPU can run (a path it cannot run is skipped, saying which instructions are missing).
+CPU can run (a path it cannot run is skipped, saying which instructions are missing). The AMX path runs natively
+where the CPU has AMX, else in its software emulation (``MTP_AMX_EMULATE``) on tiny models where the CPU has
+AVX512-BF16: the same tile code, data movement and per-element order, so a layout or indexing fault shows here.
 """
 
 from __future__ import annotations
@@ -34,15 +36,26 @@ TREE_VIS = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0,
                          [1, 0, 0, 1, 0, 0], [1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 0, 1]], dtype=torch.bool)
 
 
-def _isa_params():
-    return [pytest.param(isa, marks=pytest.mark.skipif(bool(K.missing(isa)),
-                                                       reason=f"this CPU lacks {', '.join(K.missing(isa))}"))
-            for isa in ("avx512bf16", "avx2")]
+AMX_NATIVE = not K.missing("amx")
+
+
+def _isa_params(emulated_amx: bool = True):
+    """Every kernel path; ``amx`` emulated where the CPU lacks AMX (when ``emulated_amx``: tiny models only, the
+    emulation is ~100x slower)."""
+    out = []
+    for isa in ("amx", "avx512bf16", "avx2"):
+        lack = K.missing(isa)
+        if isa == "amx" and lack and emulated_amx:
+            lack = K.missing("avx512bf16")
+        out.append(pytest.param(isa, marks=pytest.mark.skipif(bool(lack), reason=f"this CPU lacks {', '.join(lack)}")))
+    return out
 
 
 def on_kernels(lm, isa: str, monkeypatch):
-    """A view of ``lm`` whose forward pass runs on kernel path ``isa``."""
+    """A view of ``lm`` whose forward pass runs on kernel path ``isa`` (AMX emulated where the CPU lacks it)."""
     monkeypatch.setenv(K.ENV, isa)
+    if isa == "amx" and not AMX_NATIVE:
+        monkeypatch.setenv(K.EMULATE_ENV, "1")
     view = dataclasses.replace(lm, _fast=_FastState())
     assert view.fast_engine() is not None and view.forward_path.startswith(f"our kernels ({isa})"), view.forward_path
     return view
@@ -61,9 +74,13 @@ def _tiny(base_tokenizer, arch="llama", dtype=torch.bfloat16, adapter=None):
 
 
 # ------------------------------------------------------------------------------------------- dispatch
-def test_choose_isa_and_refusals():
+def test_choose_isa_and_refusals(monkeypatch):
+    monkeypatch.delenv(K.EMULATE_ENV, raising=False)
     avx512 = frozenset(K.NEEDS["avx512bf16"])
     avx2 = frozenset(K.NEEDS["avx2"])
+    amx = frozenset(K.NEEDS["amx"])
+    assert K.candidates("auto", amx) == ["amx", "avx512bf16", "avx2"]
+    assert K.choose_isa("auto", amx) == "amx"
     assert K.choose_isa("auto", avx512) == "avx512bf16"
     assert K.choose_isa("auto", avx2) == "avx2"
     assert K.choose_isa("auto", frozenset({"sse2"})) is None
@@ -73,8 +90,36 @@ def test_choose_isa_and_refusals():
         K.choose_isa("avx512bf16", avx2)
     with pytest.raises(K.KernelError, match="lacks amx_tile, amx_bf16"):
         K.choose_isa("amx", avx512)
-    with pytest.raises(K.KernelError, match="no AMX tile kernel"):
-        K.choose_isa("amx", avx512 | {"amx_tile", "amx_bf16"})
+    monkeypatch.setenv(K.EMULATE_ENV, "1")  # emulated AMX needs what avx512bf16 needs; auto never picks it
+    assert K.choose_isa("amx", avx512) == "amx"
+    with pytest.raises(K.KernelError, match="lacks avx512f"):
+        K.choose_isa("amx", avx2)
+    assert K.choose_isa("auto", avx512) == "avx512bf16"
+
+
+@pytest.mark.parametrize("isa", _isa_params())
+def test_self_check_passes(monkeypatch, isa):
+    """The check every path runs when loaded (bits of wide rows = one-row bits, 2 threads = 1, float64 within
+    1e-5) passes on each path this CPU runs."""
+    if isa == "amx" and not AMX_NATIVE:
+        monkeypatch.setenv(K.EMULATE_ENV, "1")
+    lib = K._load(K.emulating())
+    assert lib.mtp_selftest(K.ISA_CODES[isa]) == 0
+
+
+@pytest.mark.skipif(AMX_NATIVE or not K.runnable("avx512bf16"), reason="needs a CPU with AVX512-BF16 and no AMX")
+def test_auto_passes_over_a_path_that_cannot_run(monkeypatch):
+    """A CPU that claimed AMX (flags) but whose kernel refuses the tile state: auto says why and runs the next
+    path; forced amx is one error naming the refusal."""
+    monkeypatch.delenv(K.EMULATE_ENV, raising=False)
+    monkeypatch.setattr(K, "cpu_flags", lambda: frozenset(K.NEEDS["amx"]))
+    monkeypatch.setattr(K, "_STATUS", {})
+    monkeypatch.setenv(K.ENV, "auto")
+    st = K.status()
+    assert st.isa == "avx512bf16" and "passed over amx: Linux refused the AMX tile state" in st.reason, st.reason
+    monkeypatch.setenv(K.ENV, "amx")
+    with pytest.raises(K.KernelError, match="MTP_KERNELS=amx: Linux refused the AMX tile state"):
+        K.status()
 
 
 def test_unknown_value_is_refused(monkeypatch):
@@ -86,14 +131,17 @@ def test_unknown_value_is_refused(monkeypatch):
 def test_forced_path_the_cpu_lacks_is_one_error_line(tmp_path):
     """The CLI refuses a forced path this CPU cannot run with one error: line naming the instructions, before
     it loads anything."""
-    lacking = "amx"  # never built: refused everywhere, naming what is missing or that it is not built
+    lacking = next((isa for isa in ("amx", "avx512bf16", "avx2") if K.missing(isa)), None)
+    if lacking is None:
+        pytest.skip("this CPU runs every path")
     env = {**os.environ, K.ENV: lacking, "HF_HUB_OFFLINE": "1"}
+    env.pop(K.EMULATE_ENV, None)
     proc = subprocess.run([sys.executable, "-m", "model.generate", "--model", str(tmp_path / "none"), "--prompt", "x",
                            "--device", "cpu"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1 and "MTP_KERNELS=amx" in lines[0], proc.stderr[-2000:]
+    assert len(lines) == 1 and f"MTP_KERNELS={lacking}: this CPU lacks" in lines[0], proc.stderr[-2000:]
 
 
 def test_off_runs_the_torch_fast_path(base_tokenizer, monkeypatch):
@@ -193,7 +241,7 @@ HF_PROMPTS = (("What is 12 times 7? Explain step by step.", 32),
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa", _isa_params())
+@pytest.mark.parametrize("isa", _isa_params(emulated_amx=False))
 def test_smollm2_bf16_rows_exact_and_verify_equals_standard(smollm2_adapter_bf16, monkeypatch, one_torch_thread,
                                                             isa):
     """The real model + shipped adapter in bf16: rows exact at T = 4 and 16 and in a tree; verify (linear and
@@ -223,7 +271,7 @@ def test_smollm2_bf16_rows_exact_and_verify_equals_standard(smollm2_adapter_bf16
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa", _isa_params())
+@pytest.mark.parametrize("isa", _isa_params(emulated_amx=False))
 def test_smollm2_float32_standard_equals_hf_generate(smollm2_adapter, monkeypatch, one_torch_thread, isa):
     """float32: standard decoding with the adapter loaded equals HF generate on the plain base, token for token
     (measured on 12 prompts x 64 tokens, both paths: 12 of 12), and verify equals standard."""

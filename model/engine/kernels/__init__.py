@@ -13,10 +13,16 @@ needs the torch headers and gives the same bits. ``scripts/setup.sh`` builds it;
 compiles it once into ``~/.cache/mtp-lm/kernels`` (``$MTP_KERNELS_DIR``) and says so on stderr. A machine without
 a compiler keeps the library path (:func:`status` says why).
 
-Which kernel runs: ``MTP_KERNELS=auto|amx|avx512bf16|avx2|off`` (default ``auto``: the best the CPU has).
-``avx512bf16`` needs AVX512F/BW/VL and AVX512-BF16 (``vdpbf16ps``); ``avx2`` needs AVX2 and FMA. ``amx`` is
-refused: no AMX tile kernel is built in this version (a CPU with AMX also has AVX512-BF16, which ``auto``
-picks there). A forced path the CPU cannot run is refused with one line naming the missing instructions.
+Which kernel runs: ``MTP_KERNELS=auto|amx|avx512bf16|avx2|off`` (default ``auto``: the best the CPU has, in
+that order). ``avx2`` needs AVX2 and FMA; ``avx512bf16`` AVX512F/BW/VL/DQ and AVX512-BF16 (``vdpbf16ps``); ``amx``
+those and AMX-TILE / AMX-BF16 (the bf16 projections on tiles), and Linux's permission for the tile state. A forced
+path the CPU cannot run is refused with one line naming the missing instructions. Every path is checked once when
+it is loaded (``mtp_selftest``: each row of a wide product has the bits of its one-row product, 2 threads the bits
+of 1, values within 1e-5 of float64); ``auto`` skips a path that fails, saying so in :func:`status`'s reason.
+
+``MTP_AMX_EMULATE=1`` with ``MTP_KERNELS=amx`` builds the AMX path with the tile instructions written out in
+plain C++ (same data movement, per-element order and rounding; shape errors abort): it tests the AMX code on a
+CPU with AVX512-BF16 but without AMX, ~100x slower. ``auto`` never picks it.
 """
 
 from __future__ import annotations
@@ -34,19 +40,23 @@ from pathlib import Path
 
 from ...errors import KernelError
 
-__all__ = ["KernelError", "KernelStatus", "build", "choose_isa", "cpu_flags", "missing", "requested", "status"]
+__all__ = ["KernelError", "KernelStatus", "build", "candidates", "choose_isa", "cpu_flags", "emulating", "missing",
+           "requested", "runnable", "status"]
 
 ENV = "MTP_KERNELS"
 CHOICES = ("auto", "amx", "avx512bf16", "avx2", "off")
 SOURCE = Path(__file__).with_name("mtp_kernels.cpp")
-ABI_VERSION = 4
-ISA_CODES = {"avx2": 1, "avx512bf16": 2}
+EMULATE_ENV = "MTP_AMX_EMULATE"
+ABI_VERSION = 5
+ISA_CODES = {"avx2": 1, "avx512bf16": 2, "amx": 3}
 #: CPU flags (``/proc/cpuinfo``) each path needs.
 NEEDS = {
     "avx2": ("avx2", "fma"),
     "avx512bf16": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
-    "amx": ("amx_tile", "amx_bf16"),
 }
+NEEDS["amx"] = NEEDS["avx512bf16"] + ("amx_tile", "amx_bf16")
+#: ``auto``'s order of preference.
+PREFERENCE = ("amx", "avx512bf16", "avx2")
 CFLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
 
 
@@ -70,6 +80,19 @@ def missing(isa: str, flags: frozenset[str] | None = None) -> list[str]:
     return [f for f in NEEDS[isa] if f not in flags]
 
 
+def emulating() -> bool:
+    """Whether ``MTP_AMX_EMULATE`` asks for the AMX path in emulation (a test of the AMX code without AMX)."""
+    return os.environ.get(EMULATE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def runnable(isa: str, flags: frozenset[str] | None = None) -> bool:
+    """Whether this CPU runs path ``isa``: natively, or (``amx`` with :func:`emulating`) in emulation, which
+    needs what ``avx512bf16`` needs."""
+    if isa == "amx" and emulating():
+        return not missing("avx512bf16", flags)
+    return not missing(isa, flags)
+
+
 def requested() -> str:
     """``MTP_KERNELS`` as given (``auto`` when unset).
 
@@ -83,29 +106,31 @@ def requested() -> str:
 
 
 def choose_isa(value: str | None = None, flags: frozenset[str] | None = None) -> str | None:
-    """The kernel path for ``value`` (default: :func:`requested`) on a CPU with ``flags``: ``"avx512bf16"``,
-    ``"avx2"``, or None (``off``, or ``auto`` on a CPU with neither).
+    """The first kernel path to try for ``value`` (default: :func:`requested`) on a CPU with ``flags``:
+    ``"amx"``, ``"avx512bf16"``, ``"avx2"``, or None (``off``, or ``auto`` on a CPU with none of them).
 
     Raises:
-        KernelError: a forced path this CPU cannot run, or ``amx`` (not built in this version).
+        KernelError: a forced path this CPU cannot run (the message names the missing instructions).
+    """
+    return (candidates(value, flags) or [None])[0]
+
+
+def candidates(value: str | None = None, flags: frozenset[str] | None = None) -> list[str]:
+    """The paths :func:`status` tries in order: the forced one, or for ``auto`` every path the CPU has, best
+    first (never the emulated AMX path); empty for ``off``.
+
+    Raises:
+        KernelError: a forced path this CPU cannot run.
     """
     value = requested() if value is None else value
     if value == "off":
-        return None
-    if value == "amx":
-        lack = missing("amx", flags)
-        why = f"this CPU lacks {', '.join(lack)}; " if lack else ""
-        raise KernelError(f"{ENV}=amx: {why}no AMX tile kernel is built in this version "
-                          f"(use avx512bf16, which every AMX CPU has, or auto)")
+        return []
     if value == "auto":
-        for isa in ("avx512bf16", "avx2"):
-            if not missing(isa, flags):
-                return isa
-        return None
-    lack = missing(value, flags)
-    if lack:
+        return [isa for isa in PREFERENCE if not missing(isa, flags)]
+    if not runnable(value, flags):
+        lack = missing("avx512bf16" if value == "amx" and emulating() else value, flags)
         raise KernelError(f"{ENV}={value}: this CPU lacks {', '.join(lack)}")
-    return value
+    return [value]
 
 
 # ------------------------------------------------------------------------------------------- building
@@ -115,9 +140,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MTP_KERNELS_DIR") or Path.home() / ".cache" / "mtp-lm" / "kernels")
 
 
-def library_path() -> Path:
+def cflags(emulate: bool = False) -> list[str]:
+    """The compiler's flags (with ``-DMTP_AMX_EMULATE`` for the emulated AMX build)."""
+    return CFLAGS + (["-DMTP_AMX_EMULATE"] if emulate else [])
+
+
+def library_path(emulate: bool = False) -> Path:
     """The built library for this source and these flags (its name carries their hash)."""
-    h = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    h = hashlib.sha256(SOURCE.read_bytes() + " ".join(cflags(emulate)).encode()).hexdigest()[:16]
     return cache_dir() / f"libmtp_kernels-{h}.so"
 
 
@@ -127,15 +157,16 @@ def compiler() -> str | None:
     return shutil.which(cxx)
 
 
-def build(quiet: bool = False) -> Path:
+def build(quiet: bool = False, emulate: bool = False) -> Path:
     """Compile ``mtp_kernels.cpp`` into :func:`library_path` unless it is there; returns the path.
+    ``emulate``: the build whose AMX path is emulated (:func:`emulating`).
 
     Writes to a temporary file and renames it, so concurrent builds (test workers) never load half a file.
 
     Raises:
         KernelError: no compiler, or the compiler failed (its first lines of errors in the message).
     """
-    out = library_path()
+    out = library_path(emulate)
     if out.exists():
         return out
     cxx = compiler()
@@ -148,7 +179,7 @@ def build(quiet: bool = False) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cxx, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=600)
+        proc = subprocess.run([cxx, *cflags(emulate), "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             err = " | ".join(proc.stderr.strip().splitlines()[:3])
             raise KernelError(f"compiling our kernels failed: {err}")
@@ -205,6 +236,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mtp_pack_weight.argtypes, lib.mtp_pack_weight.restype = [vp, i32, i32, i32, i32, vp], None
     lib.mtp_forward_batch.argtypes = [ctypes.POINTER(Model), vp, i32, ctypes.POINTER(Batch), vp, vp, vp, i32]
     lib.mtp_forward_batch.restype = ctypes.c_int
+    lib.mtp_amx_built.restype = lib.mtp_amx_init.restype = lib.mtp_selftest.restype = i32
+    lib.mtp_selftest.argtypes = [i32]
     return lib
 
 
@@ -213,44 +246,103 @@ class KernelStatus:
     """Which kernel path this process runs and why.
 
     Attributes:
-        isa: ``"avx512bf16"``, ``"avx2"`` or None (the library path runs).
-        reason: one line: the path and what chose it, or why ours cannot run.
+        isa: ``"amx"``, ``"avx512bf16"``, ``"avx2"`` or None (the library path runs).
+        reason: one line: the path and what chose it (and what ``auto`` passed over, and why), or why ours
+            cannot run.
         library: the loaded ``ctypes.CDLL`` (None when ``isa`` is None).
+        emulated: the AMX path runs in software emulation (:func:`emulating`).
     """
 
     isa: str | None
     reason: str
     library: ctypes.CDLL | None = None
+    emulated: bool = False
 
 
-_STATUS: dict[tuple[str, str], KernelStatus] = {}
+_STATUS: dict[tuple[str, str, bool], KernelStatus] = {}
+_LIBRARIES: dict[tuple[str, bool], ctypes.CDLL] = {}
+
+
+def _load(emulate: bool) -> ctypes.CDLL:
+    """The built library (built first when needed), loaded once per process and build.
+
+    Raises:
+        KernelError: no compiler, a failed build, or a library of another version.
+    """
+    path = build(emulate=emulate)
+    key = (str(path), emulate)
+    if key not in _LIBRARIES:
+        try:
+            lib = _bind(ctypes.CDLL(str(path)))
+        except OSError as e:
+            raise KernelError(f"loading our kernels failed: {e}") from e
+        if lib.mtp_abi_version() != ABI_VERSION:
+            raise KernelError("the built kernel library is of another version")
+        _LIBRARIES[key] = lib
+    return _LIBRARIES[key]
+
+
+_SELFTEST_FAILURES = {1: "a row of a wide product differs from its one-row product", 2: "2 threads differ from 1",
+                      3: "a product is off the float64 reference", 4: "out of memory"}
+
+
+def _ready(isa: str, emulate: bool) -> ctypes.CDLL:
+    """Path ``isa`` loaded and checked: for ``amx``, built and granted the tile state; then its self-check.
+
+    Raises:
+        KernelError: why this path cannot run here.
+    """
+    lib = _load(emulate)
+    if isa == "amx":
+        if lib.mtp_amx_built() == 0:
+            raise KernelError("the compiler cannot build AMX code (g++ 11 or clang 12 needed)")
+        err = lib.mtp_amx_init()
+        if err:
+            raise KernelError(f"Linux refused the AMX tile state ({os.strerror(err) if err > 0 else err}; "
+                              f"kernel 5.16 or later needed)")
+    rc = lib.mtp_selftest(ISA_CODES[isa])
+    if rc:
+        raise KernelError(f"our {isa} kernel failed its self-check: {_SELFTEST_FAILURES.get(rc, f'code {rc}')}")
+    return lib
 
 
 def status() -> KernelStatus:
-    """The kernel path for the current ``MTP_KERNELS`` (built and loaded on first call; cached per value).
+    """The kernel path for the current ``MTP_KERNELS`` (built, loaded and checked on first call; cached per
+    value). ``auto`` tries :func:`candidates` in order and runs the first that passes.
 
     Raises:
-        KernelError: a forced path this CPU cannot run, an unknown value, or a forced path whose build failed.
+        KernelError: a forced path this CPU cannot run, an unknown value, or a forced path whose build, tile
+            permission or self-check failed.
     """
     value = requested()
-    key = (value, os.environ.get("MTP_KERNELS_DIR", ""))
+    emulate = value == "amx" and emulating()
+    key = (value, os.environ.get("MTP_KERNELS_DIR", ""), emulate)
     if key in _STATUS:
         return _STATUS[key]
-    isa = choose_isa(value)
-    if isa is None:
+    tries = candidates(value)
+    if not tries:
         why = (f"{ENV}=off" if value == "off" else
                "this CPU has neither AVX2+FMA nor AVX512-BF16 (" + ", ".join(missing("avx2")) + " missing)")
         st = KernelStatus(None, why)
     else:
-        try:
-            lib = _bind(ctypes.CDLL(str(build())))
-            if lib.mtp_abi_version() != ABI_VERSION:
-                raise KernelError("the built kernel library is of another version")
-            st = KernelStatus(isa, f"our kernels, {isa} ({'forced' if value != 'auto' else 'auto'})", lib)
-        except (KernelError, OSError) as e:
-            if value != "auto":
-                raise KernelError(f"{ENV}={value}: {e}") from e
-            st = KernelStatus(None, f"our kernels unavailable: {e}")
+        st, passed_over = None, []
+        for isa in tries:
+            try:
+                lib = _ready(isa, emulate)
+            except KernelError as e:
+                if value != "auto":
+                    raise KernelError(f"{ENV}={value}: {e}") from e
+                passed_over.append(f"{isa}: {e}")
+                continue
+            how = "forced" if value != "auto" else "auto"
+            if emulate:
+                how += f", AMX emulated in software ({EMULATE_ENV}=1): slow, for testing"
+            if passed_over:
+                how += "; passed over " + "; ".join(passed_over)
+            st = KernelStatus(isa, f"our kernels, {isa} ({how})", lib, emulated=emulate)
+            break
+        if st is None:
+            st = KernelStatus(None, "our kernels unavailable: " + "; ".join(passed_over))
             print(f"mtp kernels: {st.reason}; the torch path runs", file=sys.stderr, flush=True)
     _STATUS[key] = st
     return st
