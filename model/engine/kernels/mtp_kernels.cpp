@@ -176,6 +176,14 @@ extern "C" void mtp_pack_weight(const void* src, int32_t src_dtype, int32_t n, i
 // out[t, n] = sum_k x[t, k] w[n, k] for rows t < T, columns of blocks [b0, b1) of 16; out has row stride ldo
 // (>= 16 * nb). Every element: one accumulator, k in increasing order (pairs of k for vdpbf16ps).
 
+// Each micro-kernel streams V column panels for its rows and meanwhile asks for the same lines of the next V
+// panels into L2 (prefetcht1), so the next column group's weights arrive while this one computes: memory and
+// arithmetic overlap (SmolLM2 bf16, one thread: 5% faster at 1 row, 10% at 4, 15-30% at 8-16; a prefetch into
+// L1, or a fixed distance ahead in the same panel, was slower). Prefetches past the weight are harmless.
+static inline void prefetch_next(const void* w, int elem_bytes, int64_t at) {
+  _mm_prefetch((const char*)w + at * elem_bytes, _MM_HINT_T1);
+}
+
 // AVX2, weights LAYOUT_F32 or LAYOUT_BF16, x float32 [T, ldx]. V blocks of 16 columns, R rows.
 template <int R, int V, bool BF16>
 TGT2 static void mk_avx2(const void* w, int64_t k, const float* x, int64_t ldx, float* out, int64_t ldo) {
@@ -186,6 +194,7 @@ TGT2 static void mk_avx2(const void* w, int64_t k, const float* x, int64_t ldx, 
   for (int64_t j = 0; j < k; j++) {
     __m256 wl[V], wh[V];
     for (int v = 0; v < V; v++) {
+      if (!BF16 || (j & 1) == 0) prefetch_next(w, BF16 ? 2 : 4, (V + v) * panel + j * 16);
       if (BF16) {  // columns 0-7 in the low halves of the 32-bit slots, 8-15 in the high halves
         const __m256i p = _mm256_loadu_si256((const __m256i*)((const uint16_t*)w + v * panel + j * 16));
         wl[v] = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
@@ -220,7 +229,10 @@ TGT512 static void mk_512_f32(const void* w, int64_t k, const float* x, int64_t 
   const int64_t panel = k * 16;
   for (int64_t j = 0; j < k; j++) {
     __m512 wv[V];
-    for (int v = 0; v < V; v++) wv[v] = _mm512_loadu_ps((const float*)w + v * panel + j * 16);
+    for (int v = 0; v < V; v++) {
+      prefetch_next(w, 4, (V + v) * panel + j * 16);
+      wv[v] = _mm512_loadu_ps((const float*)w + v * panel + j * 16);
+    }
     for (int r = 0; r < R; r++) {
       __m512 xb = _mm512_set1_ps(x[r * ldx + j]);
       for (int v = 0; v < V; v++) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
@@ -241,6 +253,7 @@ TGT512 static void mk_512_bf16(const void* w, int64_t k2, const uint32_t* x, int
   for (int64_t j = 0; j < k2; j++) {
     __m512i wv[V];
     for (int v = 0; v < V; v++) {
+      prefetch_next(w, 2, (V + v) * panel + j * 32);
       wv[v] = _mm512_loadu_si512((const void*)(wp + v * panel + j * 32));
     }
     for (int r = 0; r < R; r++) {
