@@ -194,7 +194,7 @@ TGT2 static void mk_avx2(const void* w, int64_t k, const float* x, int64_t ldx, 
   for (int64_t j = 0; j < k; j++) {
     __m256 wl[V], wh[V];
     for (int v = 0; v < V; v++) {
-      if (!BF16 || (j & 1) == 0) prefetch_next(w, BF16 ? 2 : 4, (V + v) * panel + j * 16);
+      prefetch_next(w, BF16 ? 2 : 4, (V + v) * panel + j * 16);
       if (BF16) {  // columns 0-7 in the low halves of the 32-bit slots, 8-15 in the high halves
         const __m256i p = _mm256_loadu_si256((const __m256i*)((const uint16_t*)w + v * panel + j * 16));
         wl[v] = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
@@ -289,13 +289,59 @@ TGT512 static void mk_512_bf16(const void* w, int64_t k2, const uint32_t* x, int
     default: break;                                                                   \
   }
 
+// AVX2, one block of 16 columns for R (1-4) rows: mk_avx2<R, 1>'s arithmetic in named accumulators. GCC kept
+// mk_avx2's accumulator arrays in registers but also stored them to the stack on every step for R >= 3 (a
+// 4-row product took twice a 2-row one); named variables stay in registers.
+template <int R, bool BF16>
+TGT2 static void mk_avx2_v1(const void* w, int64_t k, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;
+  const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+  for (int64_t j = 0; j < k; j++) {
+    __m256 wl, wh;
+    prefetch_next(w, BF16 ? 2 : 4, k * 16 + j * 16);
+    if (BF16) {
+      const __m256i p = _mm256_loadu_si256((const __m256i*)((const uint16_t*)w + j * 16));
+      wl = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
+      wh = _mm256_castsi256_ps(_mm256_and_si256(p, high));
+    } else {
+      wl = _mm256_loadu_ps((const float*)w + j * 16);
+      wh = _mm256_loadu_ps((const float*)w + j * 16 + 8);
+    }
+    __m256 xb = _mm256_set1_ps(x[j]);
+    l0 = _mm256_fmadd_ps(xb, wl, l0);
+    h0 = _mm256_fmadd_ps(xb, wh, h0);
+    if (R > 1) {
+      xb = _mm256_set1_ps(x[ldx + j]);
+      l1 = _mm256_fmadd_ps(xb, wl, l1);
+      h1 = _mm256_fmadd_ps(xb, wh, h1);
+    }
+    if (R > 2) {
+      xb = _mm256_set1_ps(x[2 * ldx + j]);
+      l2 = _mm256_fmadd_ps(xb, wl, l2);
+      h2 = _mm256_fmadd_ps(xb, wh, h2);
+    }
+    if (R > 3) {
+      xb = _mm256_set1_ps(x[3 * ldx + j]);
+      l3 = _mm256_fmadd_ps(xb, wl, l3);
+      h3 = _mm256_fmadd_ps(xb, wh, h3);
+    }
+  }
+  _mm256_storeu_ps(out, l0);
+  _mm256_storeu_ps(out + 8, h0);
+  if (R > 1) { _mm256_storeu_ps(out + ldo, l1); _mm256_storeu_ps(out + ldo + 8, h1); }
+  if (R > 2) { _mm256_storeu_ps(out + 2 * ldo, l2); _mm256_storeu_ps(out + 2 * ldo + 8, h2); }
+  if (R > 3) { _mm256_storeu_ps(out + 3 * ldo, l3); _mm256_storeu_ps(out + 3 * ldo + 8, h3); }
+}
+
 template <int R, int V>
 TGT2 static void mk_avx2_bf16(const void* w, int64_t k, const float* x, int64_t ldx, float* out, int64_t ldo) {
-  mk_avx2<R, V, true>(w, k, x, ldx, out, ldo);
+  if (V == 1) mk_avx2_v1<R, true>(w, k, x, ldx, out, ldo);
+  else mk_avx2<R, V, true>(w, k, x, ldx, out, ldo);
 }
 template <int R, int V>
 TGT2 static void mk_avx2_f32(const void* w, int64_t k, const float* x, int64_t ldx, float* out, int64_t ldo) {
-  mk_avx2<R, V, false>(w, k, x, ldx, out, ldo);
+  if (V == 1) mk_avx2_v1<R, false>(w, k, x, ldx, out, ldo);
+  else mk_avx2<R, V, false>(w, k, x, ldx, out, ldo);
 }
 
 // ------------------------------------------------------------------------------------------------ AMX
