@@ -368,7 +368,7 @@ static void emu_fail(const char* what) {
   fprintf(stderr, "mtp kernels: AMX emulation: %s\n", what);
   abort();
 }
-static inline float emu_flush(float f) {  // denormals to zero, as tdpbf16ps treats inputs and results
+TGT512 static inline float emu_flush(float f) {  // denormals to zero, as tdpbf16ps treats inputs and results
   uint32_t u;
   memcpy(&u, &f, 4);
   if ((u & 0x7f800000u) == 0) u &= 0x80000000u;
@@ -399,7 +399,7 @@ static void emu_store(int t, void* p, int64_t stride) {
   for (int r = 0; r < e.rows; r++) memcpy((uint8_t*)p + r * stride, e.b[r], e.colsb);
 }
 static void emu_zero(int t) { memset(emu_get(t).b, 0, sizeof emu_tile[t].b); }
-static void emu_dpbf16ps(int tc, int ta, int tb) {
+TGT512 static void emu_dpbf16ps(int tc, int ta, int tb) {
   EmuTile &c = emu_get(tc), &a = emu_get(ta), &b = emu_get(tb);
   if (c.rows != a.rows || a.colsb / 4 != b.rows || c.colsb != b.colsb) emu_fail("tdpbf16ps: tile shapes disagree");
   for (int m = 0; m < c.rows; m++)
