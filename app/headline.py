@@ -11,6 +11,9 @@ from .render import dtype_name, esc, num_text
 from .timing import MIN_PAIRS_FOR_INTERVAL, SideTiming, SpeedEstimate
 from .turn import TurnState
 
+#: The status line after Clear (the page's answer to Clear, and a cleared turn's last update).
+CLEARED = "Cleared: a new conversation starts with your next message."
+
 
 TIMING_HELP = (
     "Every forward pass is timed alone: passes of all sessions run one at a time, device synchronised, and the "
@@ -191,7 +194,7 @@ def turn_status(state: TurnState) -> tuple[str, str]:
         return (f"⏹ Turn {n}: stopped after {state.standard.new_tokens} standard and {state.mtp.new_tokens} MTP "
                 "tokens. The partial answers stay in the conversation; send a new message to continue.", "info")
     if state.phase == "cleared":
-        return "Cleared: a new conversation starts with your next message.", "info"
+        return CLEARED, "info"
     return f"Turn {n} failed: {state.error}", "error"
 
 

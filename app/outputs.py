@@ -75,13 +75,18 @@ def idle_outputs(history: list[dict], status: str = "", *, kind: str = "info", n
     )
 
 
+def cleared_outputs(strategy_choice: str = "ConfAdapt") -> tuple:
+    """The page after Clear: an empty conversation, nothing running, the status saying so (the message box and the
+    trade-off figure left as they are)."""
+    return idle_outputs([], headline.CLEARED, strategy_choice=strategy_choice)
+
+
 def turn_outputs(state: TurnState, *, figures_due: bool, first: bool = False) -> tuple:
     """Component updates for a turn state (figures only when due; the message taken once, ``""``, which the page
     turns into a box command, :func:`box_command`; the
     trade-off figure is the session's, drawn by the caller)."""
     if state.phase == "cleared":
-        text, _ = headline.turn_status(state)
-        return idle_outputs([], text, strategy_choice=choice_of(state.strategy))
+        return cleared_outputs(choice_of(state.strategy))
     final = state.final
     turn, label = state.turn, state.strategy.label
     side_state = {"running": "running", "done": "done", "stopped": "stopped", "error": "error"}[state.phase]

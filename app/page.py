@@ -25,8 +25,8 @@ from .device import WidthProfile, progress_of
 from .outputs import (
     TURN_OUTPUTS,
     box_command,
+    cleared_outputs,
     error_outputs,
-    idle_outputs,
     notice_html,
     outputs_of,
     plain_outputs,
@@ -36,7 +36,7 @@ from .outputs import (
 from .passes import SHARED, PassScheduler
 from .quality import answer_point
 from .registry import ModelRegistry
-from .requests import TurnRequest, app_k_max, check_message, k_max_limit, load_examples, parse_history, parse_source
+from .requests import STRATEGY_CHOICES, TurnRequest, app_k_max, check_message, k_max_limit, load_examples, parse_history, parse_source
 from .sessions import MAX_WAITING, SessionRuns, stop_requested
 from .turn import history_after, prepare_turn, run_turn
 from .zerogpu import GPU_SWEEP_SECONDS, gpu_seconds, on_gpu, zero_gpu
@@ -222,8 +222,14 @@ class Page:
                 out[TURN_OUTPUTS.index("tradeoff")] = self.tradeoff_fig(request.key, request.tau, request.k_max,
                                                                         request.strategy, session)
                 out = tuple(out)
-            if not final and ticket.stop_reason() is not None:
+            reason = ticket.stop_reason()
+            if reason is not None and not final:
                 continue  # Stop / Clear already answered the page: a late running update must not undo it
+            if reason == "cleared":
+                # the last word after Clear is Clear's page, whatever the run's phase (it may have finished while
+                # Clear was pressed): it also covers a running update still on its way to the page
+                choice = request.strategy if request.strategy in STRATEGY_CHOICES else "ConfAdapt"
+                out = cleared_outputs(choice) if final else out
             yield out
 
     def _keep_extra(self, key: tuple, session: str | None, extra: dict) -> None:
@@ -279,8 +285,7 @@ class Page:
         session = session_of(request)
         self.sessions.request_stop(session, "cleared")
         self.sessions.remember(session, [])
-        return idle_outputs([], "Cleared: a new conversation starts with your next message.",
-                            strategy_choice=strategy_choice)[1:]
+        return cleared_outputs(strategy_choice)[1:]
 
     # ------------------------------------------------------------ controls
     def on_strategy(self, choice, key, k_max_value, shape_choice, tau_value, request: gr.Request = None):

@@ -431,6 +431,30 @@ def test_a_turn_that_ends_without_its_last_update_keeps_its_message(tiny_registr
     assert sessions.conversation("s", []) == []
 
 
+def test_clear_that_arrives_while_the_turn_ends_is_not_undone_by_its_last_update(tiny_registry, monkeypatch):
+    """Clear pressed after a turn's last pass, while its answers are scored (the final update not sent yet): the
+    page says Cleared and nothing the run sends afterwards says otherwise; the conversation stays empty."""
+    import app.turn as turn_module
+    from app import build_app
+
+    demo = build_app(tiny_registry, preload=False)
+    sessions, chat = demo.mtp_sessions, _chat_of(demo)
+    scored = turn_module.score_answers
+
+    def score_then_clear(*args, **kwargs):  # the user's Clear lands in the scoring window
+        quality = scored(*args, **kwargs)
+        assert sessions.request_stop("s", "cleared")
+        sessions.remember("s", [])
+        return quality
+
+    monkeypatch.setattr(turn_module, "score_answers", score_then_clear)
+    outs = [dict(zip(ui.TURN_OUTPUTS, o)) for o in chat("hi", [], "ConfAdapt", 0.9, 4, 3, 4, "linear",
+                                                       ("tiny", "none", "auto"), _request("s"))]
+    assert not any("done in" in str(o["status"]) for o in outs)
+    assert "Cleared" in outs[-1]["status"] and outs[-1]["history"] == []  # the page's last word is Clear's
+    assert sessions.conversation("s", []) == [] and sessions.current("s") is None
+
+
 def test_the_chat_is_an_mcp_tool_an_agent_can_read_and_call(tiny_served):
     """``launch`` serves Gradio's MCP server: the chat is a tool whose description and arguments come from
     :meth:`app.page.Page.chat_api`'s docstring, and an MCP client (the ``mcp`` package) calls it for a real turn."""
