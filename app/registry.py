@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from model.engine.loaded_model import LoadedModel
 from model.engine.loading import DEFAULT_SOURCE, load_checkpoint
-from model.errors import CheckpointError, RequestError
+from model.errors import CheckpointError, KernelError, RequestError
 
 from .device import ModelFacts
 from .passes import exclusive
@@ -92,7 +92,7 @@ class ModelRegistry:
                 return self._models[key]
         try:
             lm = self._loader(key[0], quantization=None if key[1] == "none" else key[1], dtype=key[2])
-        except CheckpointError as e:
+        except (CheckpointError, KernelError) as e:  # the user's choice or the machine: a message, no traceback
             raise RequestError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - anything a loader raises becomes a page message
             log.exception("loading %s failed", key)

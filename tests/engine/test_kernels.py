@@ -122,6 +122,53 @@ def test_auto_passes_over_a_path_that_cannot_run(monkeypatch):
         K.status()
 
 
+@pytest.fixture
+def fresh_kernel_state(monkeypatch):
+    """No kernel status, library or build failure remembered from earlier tests in this process."""
+    for name in ("_STATUS", "_LIBRARIES", "_BUILD_ERRORS"):
+        monkeypatch.setattr(K, name, {})
+    monkeypatch.delenv(K.EMULATE_ENV, raising=False)
+    monkeypatch.setenv(K.ENV, "auto")
+
+
+def test_a_kernel_folder_that_cannot_be_written_is_a_message_and_auto_runs_torch(tmp_path, monkeypatch, capsys,
+                                                                                  fresh_kernel_state):
+    """``MTP_KERNELS_DIR`` naming a file: building says which folder and what to do; auto runs the torch path."""
+    if not K.candidates("auto"):
+        pytest.skip("this CPU runs none of our paths")
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("MTP_KERNELS_DIR", str(tmp_path / "file" / "kernels"))
+    with pytest.raises(K.KernelError, match="cannot write the kernel library into .*set MTP_KERNELS_DIR"):
+        K.build(quiet=True)
+    st = K.status()
+    assert st.isa is None and "set MTP_KERNELS_DIR to a folder you can write" in st.reason, st.reason
+
+
+def test_a_failing_compiler_is_named_with_its_exit_code_and_tried_once(tmp_path, monkeypatch, capsys,
+                                                                        fresh_kernel_state):
+    """A compiler that fails without a word (``CXX=false``): the reason names it and its exit code, and ``auto``,
+    which tries every path of the CPU, compiles once."""
+    if not K.candidates("auto"):
+        pytest.skip("this CPU runs none of our paths")
+    monkeypatch.setenv("MTP_KERNELS_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    st = K.status()
+    assert st.isa is None and "exited with code 1" in st.reason and "false" in st.reason, st.reason
+    assert capsys.readouterr().err.count("compiling mtp_kernels.cpp") == 1
+    assert list(tmp_path.iterdir()) == []  # no half-written library left
+
+
+def test_a_damaged_library_file_is_built_again(tmp_path, monkeypatch, fresh_kernel_state):
+    """A library file that does not load (empty, or cut short) is replaced by a fresh build, not kept forever."""
+    if not K.candidates("auto") or K.compiler() is None:
+        pytest.skip("needs one of our paths and a compiler")
+    monkeypatch.setenv("MTP_KERNELS_DIR", str(tmp_path))
+    path = K.library_path()
+    path.write_bytes(b"\x7fELF cut short")
+    st = K.status()
+    assert st.isa == K.candidates("auto")[0] and path.stat().st_size > 100_000, st.reason
+
+
 def test_unknown_value_is_refused(monkeypatch):
     monkeypatch.setenv(K.ENV, "fast")
     with pytest.raises(K.KernelError, match="choose one of auto, amx, avx512bf16, avx2, off"):

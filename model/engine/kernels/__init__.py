@@ -7,7 +7,7 @@ query, MKL's float32 ``mm`` rounds M >= 2 rows differently from M = 1, and on AV
 twice a pass of one. ``mtp_kernels.cpp`` runs the whole pass in one call: every output element summed in one
 fixed order by one thread, the weights read once per pass for all rows (docs/DESIGN.md, "Kernels").
 
-How it is built: a plain shared library compiled by ``g++`` (about 5 s) and called through ``ctypes`` on
+How it is built: a plain shared library compiled by ``g++`` (about 8 s on 2 cores) and called through ``ctypes`` on
 ``data_ptr()``; not ``torch.utils.cpp_extension``, which took 25 s cold (56 s under load) for the same code,
 needs the torch headers and gives the same bits. ``scripts/setup.sh`` builds it; a first use without a build
 compiles it once into ``~/.cache/mtp-lm/kernels`` (``$MTP_KERNELS_DIR``) and says so on stderr. A machine without
@@ -167,23 +167,34 @@ def build(quiet: bool = False, emulate: bool = False) -> Path:
         KernelError: no compiler, or the compiler failed (its first lines of errors in the message).
     """
     out = library_path(emulate)
-    if out.exists():
+    if out.is_file() and out.stat().st_size > 0:
         return out
     cxx = compiler()
     if cxx is None:
         name = os.environ.get("CXX") or "g++"
         raise KernelError(f"no C++ compiler ({name}: not found): install g++ (or set CXX) to build our kernels")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if not quiet:
-        print(f"mtp kernels: compiling {SOURCE.name} once into {out.parent} (~5 s)", file=sys.stderr, flush=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
     try:
-        proc = subprocess.run([cxx, *cflags(emulate), "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=600)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    except OSError as e:
+        raise KernelError(f"cannot write the kernel library into {out.parent} ({e.strerror or e}): set "
+                          "MTP_KERNELS_DIR to a folder you can write") from e
+    os.close(fd)
+    if not quiet:
+        print(f"mtp kernels: compiling {SOURCE.name} once into {out.parent} (~8 s)", file=sys.stderr, flush=True)
+    try:
+        try:
+            proc = subprocess.run([cxx, *cflags(emulate), "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                                  timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise KernelError(f"compiling our kernels failed: {cxx}: {e}") from e
         if proc.returncode != 0:
-            err = " | ".join(proc.stderr.strip().splitlines()[:3])
-            raise KernelError(f"compiling our kernels failed: {err}")
-        os.replace(tmp, out)
+            err = " | ".join(proc.stderr.strip().splitlines()[:3]) or "no message"
+            raise KernelError(f"compiling our kernels failed ({cxx} exited with code {proc.returncode}): {err}")
+        try:
+            os.replace(tmp, out)
+        except OSError as e:
+            raise KernelError(f"cannot write the kernel library {out} ({e.strerror or e})") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -261,25 +272,54 @@ class KernelStatus:
 
 _STATUS: dict[tuple[str, str, bool], KernelStatus] = {}
 _LIBRARIES: dict[tuple[str, bool], ctypes.CDLL] = {}
+_BUILD_ERRORS: dict[tuple[str, bool, str], str] = {}
 
 
 def _load(emulate: bool) -> ctypes.CDLL:
-    """The built library (built first when needed), loaded once per process and build.
+    """The built library (built first when needed), loaded once per process and build. A library file that does
+    not load (a build cut short, a file damaged since) is deleted and built again, once. A build that failed is
+    not tried again in this process (``auto`` tries several paths of the same library).
 
     Raises:
-        KernelError: no compiler, a failed build, or a library of another version.
+        KernelError: no compiler, a failed build, or a library that does not load even when built anew.
     """
-    path = build(emulate=emulate)
+    path = library_path(emulate)
     key = (str(path), emulate)
+    failed = (str(path), emulate, os.environ.get("CXX", ""))
+    if failed in _BUILD_ERRORS:
+        raise KernelError(_BUILD_ERRORS[failed])
     if key not in _LIBRARIES:
         try:
-            lib = _bind(ctypes.CDLL(str(path)))
+            try:
+                lib = _open(build(emulate=emulate))
+            except KernelError:
+                if not path.is_file():
+                    raise  # the build failed: nothing to build again
+                path.unlink()
+                lib = _open(build(emulate=emulate))
         except OSError as e:
-            raise KernelError(f"loading our kernels failed: {e}") from e
-        if lib.mtp_abi_version() != ABI_VERSION:
-            raise KernelError("the built kernel library is of another version")
+            _BUILD_ERRORS[failed] = f"the kernel library {path} does not load and cannot be deleted ({e}): delete it"
+            raise KernelError(_BUILD_ERRORS[failed]) from e
+        except KernelError as e:
+            _BUILD_ERRORS[failed] = str(e)
+            raise
         _LIBRARIES[key] = lib
     return _LIBRARIES[key]
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    """``path`` loaded and bound.
+
+    Raises:
+        KernelError: the file does not load or is of another version.
+    """
+    try:
+        lib = _bind(ctypes.CDLL(str(path)))
+    except (OSError, AttributeError) as e:
+        raise KernelError(f"loading our kernels failed: {e}") from e
+    if lib.mtp_abi_version() != ABI_VERSION:
+        raise KernelError(f"the kernel library {path} is of another version")
+    return lib
 
 
 _SELFTEST_FAILURES = {1: "a row of a wide product differs from its one-row product", 2: "2 threads differ from 1",
