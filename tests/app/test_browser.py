@@ -96,10 +96,11 @@ def send(pg, text: str) -> None:
     pg.click("#send")
 
 
-def wait_status(pg, pattern: str, timeout: int = TIMEOUT_MS) -> str:
-    """Wait until the status line contains ``pattern``; return the status text."""
-    pg.wait_for_function("(p) => { const s = document.querySelector('#status'); return s && s.innerText.includes(p); }",
-                         arg=pattern, timeout=timeout)
+def wait_status(pg, pattern: str | tuple[str, ...], timeout: int = TIMEOUT_MS) -> str:
+    """Wait until the status line contains ``pattern`` (or one of several); return the status text."""
+    patterns = [pattern] if isinstance(pattern, str) else list(pattern)
+    pg.wait_for_function("(ps) => { const s = document.querySelector('#status');"
+                         " return s && ps.some(p => s.innerText.includes(p)); }", arg=patterns, timeout=timeout)
     return pg.inner_text("#status")
 
 
@@ -498,7 +499,9 @@ def test_notices_never_cover_the_controls(browser, served, size):
         pg.locator("#notice .mtp-notice").wait_for(state="visible", timeout=30_000)
         assert pg.locator(".toast-body").count() == 0 and stop_is_on_top(pg)
         pg.click("#stop", timeout=5_000)  # clickable as it is, nothing over it
-        wait_status(pg, "stopped")
+        # the turn stops and the waiting message starts at once: "stopped" may be replaced in the same frame
+        wait_status(pg, ("stopped", "Turn 2"))
+        assert pg.locator(".toast-body").count() == 0
     finally:
         ctx.close()
 
