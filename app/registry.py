@@ -92,7 +92,10 @@ class ModelRegistry:
                 return self._models[key]
         try:
             lm = self._loader(key[0], quantization=None if key[1] == "none" else key[1], dtype=key[2])
-        except (CheckpointError, KernelError) as e:  # the user's choice or the machine: a message, no traceback
+        except CheckpointError as e:  # the user's choice: a message in the page
+            raise RequestError(str(e)) from None
+        except KernelError as e:  # the server's setting (MTP_KERNELS): the page and the server's log say so
+            log.warning("loading %s failed: %s", key[0], e)
             raise RequestError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - anything a loader raises becomes a page message
             log.exception("loading %s failed", key)

@@ -129,7 +129,7 @@ def candidates(value: str | None = None, flags: frozenset[str] | None = None) ->
         return [isa for isa in PREFERENCE if not missing(isa, flags)]
     if not runnable(value, flags):
         lack = missing("avx512bf16" if value == "amx" and emulating() else value, flags)
-        raise KernelError(f"{ENV}={value}: this CPU lacks {', '.join(lack)}")
+        raise KernelError(f"{ENV}={value}: this CPU lacks {', '.join(lack)} ({ENV}=auto runs the best path it has)")
     return [value]
 
 
@@ -177,7 +177,9 @@ def build(quiet: bool = False, emulate: bool = False) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     except OSError as e:
-        raise KernelError(f"cannot write the kernel library into {out.parent} ({e.strerror or e}): set "
+        blocker = next((p for p in (out.parent, *out.parent.parents) if p.exists()), None)
+        why = f"{blocker} is a file" if blocker is not None and not blocker.is_dir() else (e.strerror or str(e))
+        raise KernelError(f"cannot write the kernel library into {out.parent} ({why}): set "
                           "MTP_KERNELS_DIR to a folder you can write") from e
     os.close(fd)
     if not quiet:
@@ -190,8 +192,10 @@ def build(quiet: bool = False, emulate: bool = False) -> Path:
             raise KernelError(f"compiling our kernels failed: {cxx}: {e}") from e
         if proc.returncode != 0:
             err = " | ".join(proc.stderr.strip().splitlines()[:3]) or "no message"
-            raise KernelError(f"compiling our kernels failed ({cxx} exited with code {proc.returncode}): {err}")
+            raise KernelError(f"compiling our kernels failed ({cxx} exited with code {proc.returncode}): {err} "
+                              "(g++ 11 or later builds them; CXX names another compiler)")
         try:
+            os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of a shared MTP_KERNELS_DIR out
             os.replace(tmp, out)
         except OSError as e:
             raise KernelError(f"cannot write the kernel library {out} ({e.strerror or e})") from e
@@ -290,12 +294,11 @@ def _load(emulate: bool) -> ctypes.CDLL:
         raise KernelError(_BUILD_ERRORS[failed])
     if key not in _LIBRARIES:
         try:
+            built = build(emulate=emulate)  # a failed build raises here and is not tried again
             try:
-                lib = _open(build(emulate=emulate))
+                lib = _open(built)
             except KernelError:
-                if not path.is_file():
-                    raise  # the build failed: nothing to build again
-                path.unlink()
+                built.unlink()
                 lib = _open(build(emulate=emulate))
         except OSError as e:
             _BUILD_ERRORS[failed] = f"the kernel library {path} does not load and cannot be deleted ({e}): delete it"
@@ -382,7 +385,9 @@ def status() -> KernelStatus:
             st = KernelStatus(isa, f"our kernels, {isa} ({how})", lib, emulated=emulate)
             break
         if st is None:
-            st = KernelStatus(None, "our kernels unavailable: " + "; ".join(passed_over))
+            reasons = {e.split(": ", 1)[1] for e in passed_over}
+            st = KernelStatus(None, "our kernels unavailable: " + (reasons.pop() if len(reasons) == 1 else
+                                                                   "; ".join(passed_over)))
             print(f"mtp kernels: {st.reason}; the torch path runs", file=sys.stderr, flush=True)
     _STATUS[key] = st
     return st
