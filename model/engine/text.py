@@ -56,16 +56,41 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict], add_generation_prompt:
                                              tokenize=False, add_generation_prompt=add_generation_prompt)
     if any(rendered.count(slot) != 1 for slot in slots):
         raise ValueError("This model's chat template drops or rewrites message text, so it cannot be kept literal.")
+    return _template_ids(tokenizer, rendered, dict(zip(slots, contents)))
+
+
+def _template_ids(tokenizer: Any, rendered: str, fill: dict[str, str]) -> list[int]:
+    """Ids of a template's render: its special-token markup as special ids, the text between with each
+    placeholder of ``fill`` replaced by its content, tokenised literally."""
     specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True)
     ids: list[int] = []
     for piece in re.split("(" + "|".join(map(re.escape, specials)) + ")", rendered) if specials else [rendered]:
         if piece in specials:
             ids.append(tokenizer.convert_tokens_to_ids(piece))
         elif piece:
-            for slot, content in zip(slots, contents):
+            for slot, content in fill.items():
                 piece = piece.replace(slot, content)
             ids += encode_literal(tokenizer, piece)
     return ids
+
+
+def user_turn_prefix_ids(tokenizer: Any) -> list[int]:
+    """The chat template rendered up to where a user's first message begins (system prompt included when
+    the template adds a default one), e.g. ``<|im_start|>system\n...<|im_end|>\n<|im_start|>user\n`` for
+    SmolLM2: what an aligned model continues with a user request of its own (Magpie, arXiv 2406.08464).
+
+    Raises:
+        ValueError: the tokenizer has no chat template, or its template does not render a user message's
+            text once.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("This tokenizer has no chat template: there is no user-turn prefix to continue.")
+    slot = _SLOT.format(0)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": slot}], tokenize=False,
+                                             add_generation_prompt=False)
+    if rendered.count(slot) != 1:
+        raise ValueError("This model's chat template drops or rewrites message text: no user-turn prefix.")
+    return _template_ids(tokenizer, rendered.split(slot)[0], {})
 
 
 @lru_cache(maxsize=1)
