@@ -36,6 +36,7 @@ import torch
 
 from ..errors import ContextBudgetError, NonFiniteLogitsError
 from .loaded_model import LoadedModel
+from .sampling import GREEDY, Sampling, TokenSampler, draw_block, speculative_accept
 from .strategies import Strategy, check_max_new_tokens
 from .text import continues_utf8, open_utf8_bytes, text_bytes
 
@@ -51,10 +52,12 @@ class PassRecord:
             token(s) not yet in the KV cache).
         fed_drafts: draft tokens fed as real tokens (verification only; else 0).
         fed_masks: mask tokens fed (``k_max - 1``; 0 for standard decoding).
-        proposals: ``k_max`` greedy token ids: at the last real token fed, then one per mask.
+        proposals: ``k_max`` greedy token ids: at the last real token fed, then one per mask (when
+            sampling: the tokens drawn there).
         proposal_texts: each proposal decoded on its own.
         confidences: ``k_max`` top-1 probabilities (float32 softmax over the vocabulary, the mask
-            token excluded), one per proposal.
+            token excluded), one per proposal (when sampling: each drawn token's probability under its
+            position's sampling distribution, what ConfAdapt compares with tau).
         kept: token ids this pass emitted (after UTF-8, stop-token and max_new_tokens trimming).
         text: the text this pass added to the answer (an incomplete last character is held back).
         accepted: tokens the strategy accepted before stop-token / max_new_tokens trimming.
@@ -65,8 +68,11 @@ class PassRecord:
             rejected"``, ``"stop token"``, ``"stop string"`` or ``"max_new_tokens"``.
         drafts: the draft ids fed (verification), in order.
         draft_texts: each draft decoded on its own.
-        draft_checks: the model's greedy token at each draft's place (``len(drafts)`` ids).
-        draft_confidences: the model's top-1 probability at each draft's place.
+        draft_checks: the model's greedy token at each draft's place (``len(drafts)`` ids; when sampling:
+            the token it chose there: the draft if accepted, the replacement at the first rejected one, the
+            most likely token after it).
+        draft_confidences: the model's top-1 probability at each draft's place (when sampling: the
+            probability of ``draft_checks`` under the model's sampling distribution).
         drafts_accepted: leading drafts equal to ``draft_checks``.
         correction: the model's token in place of the first rejected draft (None if none rejected).
         correction_text: that token decoded on its own ("" when none).
@@ -141,12 +147,15 @@ class GenerationResult:
         token_ids: the generated ids (the stop token included if one was emitted).
         passes: one :class:`PassRecord` per forward pass.
         strategy: the strategy's spec string.
+        sampling: the sampling settings (:class:`~model.engine.sampling.Sampling`; the seed actually used when
+            sampling).
     """
 
     text: str
     token_ids: list[int]
     passes: list[PassRecord] = field(default_factory=list)
     strategy: str = "standard"
+    sampling: dict = field(default_factory=GREEDY.to_dict)
 
     @property
     def new_tokens(self) -> int:
@@ -208,7 +217,8 @@ class GenerationResult:
             "mean_acceptance_length": self.mean_acceptance_length, "drafts_proposed": self.drafts_proposed,
             "drafts_accepted": self.drafts_accepted, "draft_acceptance_rate": self.draft_acceptance_rate,
             "acceptance_by_position": self.acceptance_by_position, "seconds": self.seconds,
-            "tokens_per_second": self.tokens_per_second, "passes": [p.to_dict() for p in self.passes],
+            "tokens_per_second": self.tokens_per_second, "sampling": self.sampling,
+            "passes": [p.to_dict() for p in self.passes],
         }
 
 
@@ -247,6 +257,21 @@ def check_context_budget(lm: LoadedModel, prompt_len: int, max_new_tokens: int, 
             f"{limit} (max_position_embeddings). Shorten the prompt or lower max_new_tokens.")
 
 
+def check_finite(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` (``[T, V]``) when every value is finite.
+
+    Raises:
+        NonFiniteLogitsError: a NaN or infinite logit (no token can be chosen from it).
+    """
+    if not bool(torch.isfinite(logits).all()):
+        bad = (~torch.isfinite(logits)).any(-1).nonzero().flatten().tolist()
+        raise NonFiniteLogitsError(
+            f"The forward pass produced NaN or infinite logits at {len(bad)} of {logits.shape[0]} positions; "
+            "no token can be chosen. The weights or the dtype cannot represent this computation "
+            "(e.g. float16 on a CPU); load the model in float32 or bfloat16.")
+    return logits
+
+
 def propose(logits: torch.Tensor, mask_token_id: int) -> tuple[list[int], list[float]]:
     """Greedy proposals and their confidences for each position of one pass.
 
@@ -261,13 +286,7 @@ def propose(logits: torch.Tensor, mask_token_id: int) -> tuple[list[int], list[f
     Raises:
         NonFiniteLogitsError: a NaN or infinite logit (the softmax would be meaningless).
     """
-    logits = logits.float()
-    if not bool(torch.isfinite(logits).all()):
-        bad = (~torch.isfinite(logits)).any(-1).nonzero().flatten().tolist()
-        raise NonFiniteLogitsError(
-            f"The forward pass produced NaN or infinite logits at {len(bad)} of {logits.shape[0]} positions; "
-            "no token can be chosen. The weights or the dtype cannot represent this computation "
-            "(e.g. float16 on a CPU); load the model in float32 or bfloat16.")
+    logits = check_finite(logits.float())
     logits[:, mask_token_id] = float("-inf")
     conf, tokens = torch.softmax(logits, dim=-1).max(dim=-1)
     return tokens.tolist(), conf.tolist()
@@ -367,6 +386,7 @@ class Acceptance:
         drafts_accepted: leading drafts equal to the model's own choice (verification; else 0).
         correction: the model's token in place of the first rejected draft, or None.
         next_drafts: the drafts the next pass feeds (verification; else empty).
+        next_draft_probs: when sampling, ``[len(next_drafts), V]`` the distributions they were drawn from.
     """
 
     kept: list[int]
@@ -374,6 +394,7 @@ class Acceptance:
     drafts_accepted: int = 0
     correction: int | None = None
     next_drafts: list[int] = field(default_factory=list)
+    next_draft_probs: torch.Tensor | None = None
 
 
 def accept(lm: LoadedModel, strategy: Strategy, generated: Sequence[int], layout: PassLayout, greedy: Sequence[int],
@@ -402,6 +423,50 @@ def accept(lm: LoadedModel, strategy: Strategy, generated: Sequence[int], layout
     if cut < n:
         n, reason = cut, "utf-8"
     return Acceptance(list(greedy[:n]), reason)
+
+
+def accept_sampled(lm: LoadedModel, strategy: Strategy, generated: Sequence[int], layout: PassLayout,
+                   probs: torch.Tensor, drafts: Sequence[int], draft_probs: torch.Tensor | None,
+                   sampler: TokenSampler) -> tuple[list[int], list[float], Acceptance]:
+    """The accept phase when sampling (:mod:`model.engine.sampling`).
+
+    Block strategies draw a token at the last pending token and at each mask, in order, and keep a leading run
+    as :meth:`Strategy.accept` decides from the drawn tokens' probabilities. Verification accepts drafts by
+    speculative sampling, then draws the tokens of the mask block after the accepted prefix, if there is one:
+    the next pass's drafts, with their distributions (the other blocks are not drawn; their most likely
+    tokens are recorded).
+
+    Args:
+        probs: ``[layout.logits_to_keep, V]`` sampling distributions at the last pending token, each draft and
+            each mask.
+        draft_probs: ``[len(drafts), V]`` the distributions the drafts were drawn from (None without drafts).
+
+    Returns:
+        ``(tokens, probabilities, acceptance)``: per position the token this pass chose there (at a draft's
+        place: the draft if accepted, the replacement at the first rejected one, the most likely token after
+        it; at each mask: the drawn token, or the most likely one in a block not drawn) and its probability
+        under that position's distribution.
+    """
+    d, m = layout.drafts, layout.masks_per_block
+    if not strategy.verifies:
+        tokens, conf = draw_block(sampler, probs)
+        n, reason = strategy.accept(conf)
+        cut = cut_broken_utf8(lm, generated, tokens, n)
+        if cut < n:
+            n, reason = cut, "utf-8"
+        return tokens, conf, Acceptance(list(tokens[:n]), reason)
+    a, token, _ = speculative_accept(sampler, drafts, probs[: d + 1], draft_probs)
+    tokens = list(drafts[:a]) + [token] + probs[a + 1:].argmax(-1).tolist()
+    nxt, nxt_probs = [], None
+    if a in layout.blocks:  # only the block after the accepted prefix is drawn: the next pass's drafts
+        start = d + 1 + layout.blocks.index(a) * m
+        nxt_probs = probs[start:start + m]
+        nxt, _ = draw_block(sampler, nxt_probs)
+        tokens[start:start + m] = nxt
+    conf = [float(probs[j, t]) for j, t in enumerate(tokens)]
+    rejected = a < d
+    return tokens, conf, Acceptance(list(drafts[:a]) + [token], "draft rejected" if rejected else "k_max", a,
+                                    token if rejected else None, nxt, nxt_probs)
 
 
 def trim(kept: Sequence[int], reason: str, room: int, stop_ids: set[int]) -> tuple[list[int], str, bool]:
@@ -469,17 +534,23 @@ class Decoder:
         prompt_ids: the prompt, ``prompt_len`` token ids (``lm.prompt_ids(...)``).
         strategy: from :mod:`model.engine.strategies`.
         max_new_tokens: exact upper bound on generated tokens.
+        sampling: temperature, top-k, top-p, seed (:mod:`model.engine.sampling`); None or temperature 0:
+            greedy decoding.
 
     Raises (at construction):
         ValueError: empty prompt, bad max_new_tokens.
         ContextBudgetError: prompt + max_new_tokens + look-ahead beyond the model's positions.
     """
 
-    def __init__(self, lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy, max_new_tokens: int = 128):
+    def __init__(self, lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy, max_new_tokens: int = 128,
+                 sampling: Sampling | None = None):
         if len(prompt_ids) == 0:
             raise ValueError("The prompt is empty: nothing to condition on.")
         self.lm = lm
         self.strategy = strategy
+        self.sampling = sampling or GREEDY
+        self.sampler = None if self.sampling.greedy else TokenSampler(self.sampling.seed)
+        self.draft_probs: torch.Tensor | None = None
         self.max_new_tokens = check_max_new_tokens(max_new_tokens)
         self.prompt_ids = [int(t) for t in prompt_ids]
         check_context_budget(lm, len(self.prompt_ids), self.max_new_tokens, strategy)
@@ -532,11 +603,18 @@ class Decoder:
         """
         lm, s, drafts = self.lm, self.strategy, self.drafts
         try:
-            greedy, conf = propose(logits, lm.mask_token_id)
+            if self.sampler is None:
+                greedy, conf = propose(logits, lm.mask_token_id)
+            else:
+                probs = self.sampling.probabilities(check_finite(logits.float()), lm.mask_token_id)
         except NonFiniteLogitsError:
             self.done = True
             raise
-        acc = accept(lm, s, self.generated, layout, greedy, conf, drafts)
+        if self.sampler is None:
+            acc = accept(lm, s, self.generated, layout, greedy, conf, drafts)
+        else:
+            greedy, conf, acc = accept_sampled(lm, s, self.generated, layout, probs, drafts, self.draft_probs,
+                                               self.sampler)
         kept, reason, stopped = trim(acc.kept, acc.reason, self.max_new_tokens - len(self.generated), self._stop)
         cut = cut_at_stop_string(lm, self.generated, kept)
         if cut is not None:
@@ -550,6 +628,7 @@ class Decoder:
         self.pending = kept[-1:] if s.verifies else kept
         self.done = stopped or len(self.generated) >= self.max_new_tokens
         self.drafts = [] if self.done else acc.next_drafts
+        self.draft_probs = None if self.done else acc.next_draft_probs
         rec = self._record(layout, drafts, greedy, conf, acc, kept, reason, stopped, seconds)
         self.passes.append(rec)
         return rec
@@ -591,32 +670,37 @@ class Decoder:
 
     def result(self) -> GenerationResult:
         """Totals so far (complete once iteration has ended)."""
+        sampling = self.sampling.to_dict()
+        if self.sampler is not None:
+            sampling["seed"] = self.sampler.seed
         return GenerationResult(text=self._text, token_ids=list(self.generated), passes=list(self.passes),
-                                strategy=self.strategy.spec)
+                                strategy=self.strategy.spec, sampling=sampling)
 
 
-def run(lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy, max_new_tokens: int = 128) -> GenerationResult:
-    """Decode to the end from prompt ids and return the totals.
+def run(lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy, max_new_tokens: int = 128,
+        sampling: Sampling | None = None) -> GenerationResult:
+    """Decode to the end from prompt ids and return the totals (greedy unless ``sampling`` says otherwise).
 
     Raises:
         ValueError, ContextBudgetError: as :class:`Decoder`.
         NonFiniteLogitsError: a pass produced NaN / infinite logits.
     """
-    dec = Decoder(lm, prompt_ids, strategy, max_new_tokens)
+    dec = Decoder(lm, prompt_ids, strategy, max_new_tokens, sampling)
     for _ in dec:
         pass
     return dec.result()
 
 
 def generate(
-    lm: LoadedModel, prompt: str | Sequence[dict], strategy: Strategy, max_new_tokens: int = 128
+    lm: LoadedModel, prompt: str | Sequence[dict], strategy: Strategy, max_new_tokens: int = 128,
+    sampling: Sampling | None = None,
 ) -> GenerationResult:
     """Run one generation from a user message or a messages-format chat history.
 
     Raises:
         ValueError: empty prompt, bad max_new_tokens; ContextBudgetError, NonFiniteLogitsError.
     """
-    return run(lm, lm.prompt_ids(prompt), strategy, max_new_tokens)
+    return run(lm, lm.prompt_ids(prompt), strategy, max_new_tokens, sampling)
 
 
 def hf_generate(lm: LoadedModel, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
