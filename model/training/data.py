@@ -13,16 +13,22 @@ Bad rows stop the run before any training step with ``file:line: reason``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
+
+import numpy as np
 
 from ..engine.text import encode_literal
 from ..errors import DataError
 from ..jsonl import read_jsonl_rows
 
 FIELD_PAIRS = (("question", "answer"), ("prompt", "response"))
+SELF_ANSWERS = "self_answers.jsonl"  # where --self-distill-answers writes the answers, in the run directory
 
 
 @dataclass(frozen=True)
@@ -154,3 +160,70 @@ def encode(lm: Any, examples: Sequence[Example], seq_len: int) -> tuple[list[lis
         raise DataError(f"All {len(dropped)} examples were dropped: every prompt fills --seq-len {seq_len}{first}. "
                         "Raise --seq-len.")
     return seqs, starts, dropped
+
+
+# ------------------------------------------------------------------------------ a run's sequences
+@dataclass
+class TrainData:
+    """Tokenised training sequences: ``seqs[i]`` (prompt + response + EOS, cut at ``--seq-len``), the
+    index ``starts[i]`` of its first response token, and the rows skipped (``"file:line: why"``)."""
+
+    seqs: list[list[int]]
+    starts: list[int]
+    skipped: list[str] = dataclasses.field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+def mix_reference(examples: Sequence[Example], share: float, seed: int) -> list[Example]:
+    """Swap a seeded ``share`` of the examples that carry a ``reference`` answer (rows written by
+    :mod:`model.self_answers`) to train on that reference instead of the generated response."""
+    if share <= 0:
+        return list(examples)
+    rng = random.Random(f"reference-{seed}")
+    return [dataclasses.replace(ex, response=ex.reference, complete=True) if ex.reference and rng.random() < share
+            else ex for ex in examples]
+
+
+def prepare_data(cfg: Any, lm: Any, examples: Sequence[Example], accelerator: Any) -> TrainData:
+    """Training sequences from the examples: the base model's own greedy answers first when
+    ``--self-distill-answers N`` (generated batched by :mod:`model.self_answers` into
+    ``OUTPUT/self_answers.jsonl``, on the main process; reused on a rerun), then the reference mix,
+    then tokenisation (:func:`model.training.data.encode`)."""
+    main = accelerator.is_main_process
+    if cfg.self_distill_answers > 0:
+        from .self_answers import as_examples, write_answers
+
+        path = Path(cfg.output) / SELF_ANSWERS
+        if main:
+            unwrapped = accelerator.unwrap_model(lm.model)
+            was_training = unwrapped.training
+            unwrapped.eval()
+            with accelerator.autocast():
+                write_answers(lm, examples, path, limit=cfg.self_distill_answers, batch_size=cfg.answer_batch_size,
+                              max_new_tokens=cfg.answer_max_new_tokens)
+            unwrapped.train(was_training)
+        accelerator.wait_for_everyone()
+        rows = write_answers(lm, examples, path, limit=cfg.self_distill_answers, show_progress=False)
+        examples = as_examples(rows, path)
+    examples = mix_reference(examples, cfg.reference_share, cfg.seed)
+    seqs, starts, dropped = encode(lm, examples, cfg.seq_len)
+    if dropped and main:
+        shown = "".join(f"\n  {d}" for d in dropped[:5]) + (f"\n  ... and {len(dropped) - 5} more" if len(dropped) > 5 else "")
+        print(f"note: {len(dropped)} of {len(examples)} examples skipped, their prompt fills --seq-len "
+              f"{cfg.seq_len}:{shown}", file=sys.stderr)
+    return TrainData(seqs, starts, dropped)
+
+
+def batch_indices(step: int, micro: int, rank: int, cfg: Any, world: int, n: int) -> list[int]:
+    """Example indices of one micro-batch on one process: a seeded permutation per epoch, consumed in
+    order (global position ``step * per_step + (micro * world + rank) * batch_size``)."""
+    per_step = cfg.batch_size * cfg.grad_accum * world
+    start = step * per_step + (micro * world + rank) * cfg.batch_size
+    out = []
+    for g in range(start, start + cfg.batch_size):
+        epoch, i = divmod(g, n)
+        perm = np.random.default_rng([cfg.seed, epoch]).permutation(n)
+        out.append(int(perm[i]))
+    return out

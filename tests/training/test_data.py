@@ -9,7 +9,7 @@ import json
 from model.engine.loading import wrap_model
 from model.training.data import Example, encode, load_examples
 from model.training.self_answers import as_examples
-from model.training.trainer import mix_reference
+from model.training.data import mix_reference
 from tests.conftest import FORGED, MASK, count, make_tiny
 
 

@@ -14,7 +14,8 @@ from model.heldout import main
 from model.training.heldout import decode_effective_k, score_agreement, setup_for
 from model.training.self_answers import as_examples, write_answers
 from model.training.config import TrainConfig
-from model.training.trainer import export_model, load_for_training
+from model.training.checkpoints import export_model
+from model.training.setup import load_for_training
 from model.training.data import Example, encode
 from tests.conftest import make_tiny
 

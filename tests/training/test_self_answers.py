@@ -15,7 +15,8 @@ from model.engine.strategies import standard
 from model.self_answers import main
 from model.training.self_answers import as_examples, greedy_answers, write_answers
 from model.training.config import TrainConfig
-from model.training.trainer import mix_reference, train
+from model.training.data import mix_reference
+from model.training.trainer import train
 from model.training.data import Example, load_examples
 from tests.conftest import make_tiny
 
@@ -45,9 +46,10 @@ def _unbatched(lm, prompt_ids, n):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_batched_answers_equal_unbatched_greedy(base_tokenizer, dtype):
-    """Left-padded batches through generate give, row for row, the engine's own unbatched greedy
-    answer (standard decoding) and generate's answer for the prompt alone; prompts of different
-    lengths (2 to 30+ tokens of padding) in one batch."""
+    """Batched answers give, row for row, the engine's own unbatched greedy answer (standard decoding) and
+    the answer for the prompt alone; prompts of different lengths in one batch. float64 runs through
+    generate (left-padded, 2 to 30+ tokens of padding); float32 on our kernels where they load, through
+    shared passes (BatchRunner), else through generate too."""
     tok = copy.deepcopy(base_tokenizer)
     lm = wrap_model(make_tiny(tok, dtype=dtype), tok, source="tiny")
     ids = [lm.prompt_ids(p) for p in PROMPTS]

@@ -21,7 +21,8 @@ from model.engine.loading import load_checkpoint, wrap_model
 from model.engine.strategies import confadapt, standard
 from model.train import main
 from model.training.config import TrainConfig
-from model.training.trainer import export_model, load_for_training
+from model.training.checkpoints import export_model
+from model.training.setup import load_for_training
 from model.errors import CheckpointError
 from tests.conftest import GSM8K_SAMPLE, GSM8K_TRAIN16, ROOT, make_tiny, mtp_run, pretrained_teacher, train_args
 
@@ -418,7 +419,7 @@ def test_growing_an_adapter_keeps_what_it_computes(base_tokenizer, tmp_path):
 
 
 def test_cosine_schedule_decays_to_a_tenth():
-    from model.training.trainer import build_optimizer
+    from model.training.setup import build_optimizer
 
     cfg = TrainConfig(data="x", lr=1.0, warmup=2, max_steps=12, lr_schedule="cosine")
     _, opt, sched = build_optimizer(cfg, torch.nn.Linear(2, 2))
