@@ -9,6 +9,8 @@
                                                  # together, then one more after each shared pass
 
 What is measured and how: :mod:`model.evaluation.speed`. ``--data`` takes any GSM8K-format JSONL.
+``--temperature T`` (with ``--top-p``, ``--top-k``, ``--seed``: 0 unless given) measures every method sampling
+(HF ``generate`` with its own sampling); the report then gives each strategy's drafts accepted by position.
 Bad arguments exit with status 2 and one ``error:`` line.
 """
 
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 
 from .engine.loading import DEFAULT_SOURCE, load_checkpoint, trained_k_max
+from .engine.sampling import add_sampling_arguments, sampling_from_args
 from .engine.strategies import DEFAULT_K_MAX, check_max_new_tokens, parse_strategies
 from .evaluation.gsm8k import load_problems, make_prompt
 from .evaluation.speed import DEFAULT_DATA, DEFAULT_STRATEGIES, DEFAULT_WIDTHS, bench, format_table
@@ -45,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GSM8K-format JSONL for prompts (default: assets/gsm8k_test_sample.jsonl)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    add_sampling_arguments(p)
     p.add_argument("--widths", default=",".join(map(str, DEFAULT_WIDTHS)),
                    help="tokens per pass for the width curve ('' to skip it)")
     p.add_argument("--width-repeats", type=int, default=15)
@@ -78,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_max_new_tokens(args.max_new_tokens)
+        sampling = sampling_from_args(args)
+        if not sampling.greedy and sampling.seed is None:  # a measurement is repeatable: seed 0 unless told
+            sampling = dataclasses.replace(sampling, seed=0)
         default_k_max = trained_k_max(args.model, adapter=not args.no_adapter) or DEFAULT_K_MAX
         strategies = parse_strategies(args.strategies, default_k_max)
         widths = _widths(args.widths)
@@ -116,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             rows = concurrency_bench(lm, prompts, strategies, levels, max_new_tokens=args.max_new_tokens,
-                                     max_rows=args.max_rows, arrivals=arrivals, repeats=rounds)
+                                     max_rows=args.max_rows, arrivals=arrivals, repeats=rounds, sampling=sampling)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -131,13 +138,13 @@ def main(argv: list[str] | None = None) -> int:
                 rows, model=args.model, adapter=not args.no_adapter, dtype=str(lm.dtype).removeprefix("torch."),
                 forward_path=lm.forward_path, threads=torch.get_num_threads(), prompts=len(prompts),
                 max_new_tokens=args.max_new_tokens, max_rows=args.max_rows, levels=list(levels),
-                arrivals=arrivals, repeats=rounds, strategies=[s.spec for s in strategies])
+                arrivals=arrivals, repeats=rounds, strategies=[s.spec for s in strategies], sampling=sampling.to_dict())
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(dumps_strict(report))
         return 0
     report = bench(lm, prompts, strategies, repeats=args.repeats, max_new_tokens=args.max_new_tokens,
                    widths=widths, width_repeats=args.width_repeats, measure_bandwidth=not args.no_bandwidth,
-                   llama_cpp=not args.no_llama_cpp)
+                   llama_cpp=not args.no_llama_cpp, sampling=sampling)
     print(format_table(report))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

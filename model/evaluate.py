@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .engine.loading import DEFAULT_SOURCE, load_checkpoint, trained_k_max
+from .engine.sampling import add_sampling_arguments, sampling_from_args
 from .engine.strategies import DEFAULT_K_MAX, SPEC_HELP, check_max_new_tokens, parse_strategies
 from .errors import DataError, NonFiniteLogitsError
 from .evaluation.accuracy import (DEFAULT_STRATEGIES, evaluate, format_table, merge_reports, read_report, rescore,
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
                    help=f"comma-separated: {SPEC_HELP}")
     p.add_argument("--max-new-tokens", type=int, default=256)
+    add_sampling_arguments(p)
     p.add_argument("--step-by-step", action="store_true", help=f"append '{STEP_BY_STEP}' to each question")
     p.add_argument("--out", default=OUT_DEFAULT, help="JSON path; the figure goes next to it (.html, .png)")
     p.add_argument("--sweep", default=None, metavar="SWEEP.json",
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.data:
             raise ValueError("--data is required (a GSM8K-format JSONL file), unless --rescore is given.")
         check_max_new_tokens(args.max_new_tokens)
+        sampling = sampling_from_args(args)
         default_k_max = trained_k_max(args.model, adapter=not args.no_adapter) or DEFAULT_K_MAX
         strategies = parse_strategies(args.strategies, default_k_max)  # K_MAX omitted: the model's own
         problems = load_problems(args.data, args.limit, args.offset)
@@ -116,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         report = evaluate(lm, problems, strategies, max_new_tokens=args.max_new_tokens,
-                          step_by_step=args.step_by_step, progress=not args.no_progress, on_problem=save)
+                          step_by_step=args.step_by_step, progress=not args.no_progress, on_problem=save,
+                          sampling=sampling)
     except (ValueError, NonFiniteLogitsError) as e:  # a too-long problem, a broken model: the partial report stays
         print(f"error: {e} (results so far: {out})", file=sys.stderr)
         return 2 if isinstance(e, ValueError) else 1

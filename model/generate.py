@@ -2,11 +2,16 @@
 
     python -m model.generate --model smollm2-135m --prompt "..." --strategy confadapt \\
         --tau 0.9 --k-max 4 --max-new-tokens 128 [--json]
+    python -m model.generate --prompt "..." --strategy verify --temperature 0.7 --top-p 0.95 --seed 1 \\
+        --num-samples 4 --json
 
 Without ``--json`` the answer streams to stdout, blocks separated by ``|`` when ``--show-blocks``
 is given, followed by a summary line on stderr (with the dtype and the forward path that ran). With
 ``--json`` it prints one JSON object: ``text``, ``new_tokens``, ``forward_passes``, ``effective_k``,
-``seconds``, ``passes``, ``dtype``, ``forward_path``.
+``seconds``, ``passes``, ``sampling`` (the settings and the seed used), ``ids``, ``dtype``, ``forward_path``.
+Greedy by default; ``--temperature`` > 0 samples (every strategy; lossless verify keeps standard sampling's
+distribution). ``--num-samples N`` draws N answers to the same prompt in one process (seed, seed + 1, ...):
+streamed one after another, or with ``--json`` a list of those objects.
 Bad arguments exit with status 2 and a one-line message.
 """
 
@@ -18,6 +23,7 @@ import sys
 
 from .engine.decoding import Decoder
 from .engine.loading import DEFAULT_SOURCE, load_checkpoint, trained_k_max
+from .engine.sampling import add_sampling_arguments, for_request, sampling_from_args
 from .engine.strategies import (
     DEFAULT_K_MAX,
     DEFAULT_STATIC_K,
@@ -43,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"proposals per forward pass (default: the adapter's trained k_max, else {DEFAULT_K_MAX})")
     p.add_argument("--k", type=int, default=None, help=f"block size for --strategy static (default {DEFAULT_STATIC_K})")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    add_sampling_arguments(p)
+    p.add_argument("--num-samples", type=int, default=1, help="answers to draw for the prompt (with --temperature > 0)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 where the device computes it natively, else float32), float32, bfloat16, ...")
@@ -54,40 +62,56 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status (0 ok, 2 bad input)."""
+    """Entry point; returns the exit status (0 ok, 1 non-finite logits, 2 bad input)."""
     args = build_parser().parse_args(argv)
     try:
         strategy = resolve_strategy(args.strategy, tau=args.tau, k_max=args.k_max, k=args.k,
                                     default_k_max=trained_k_max(args.model, adapter=not args.no_adapter) or DEFAULT_K_MAX)
         check_max_new_tokens(args.max_new_tokens)
+        sampling = sampling_from_args(args)
+        if not 1 <= args.num_samples <= 10_000:
+            raise ValueError(f"--num-samples must be from 1 to 10000, got {args.num_samples}.")
+        if args.num_samples > 1 and sampling.greedy:
+            raise ValueError("--num-samples > 1 draws several answers: set --temperature above 0 (greedy decoding "
+                             "gives the same answer every time).")
         if not args.prompt.strip():
             raise ValueError("The prompt is empty: pass --prompt with some text.")
         lm = load_checkpoint(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
                              adapter=not args.no_adapter)
-        dec = Decoder(lm, lm.prompt_ids(args.prompt), strategy, args.max_new_tokens)
+        prompt = lm.prompt_ids(args.prompt)
+        Decoder(lm, prompt, strategy, args.max_new_tokens)  # the context budget, checked before any pass
     except ValueError as e:  # CheckpointError, ContextBudgetError included
         print(f"error: {e}", file=sys.stderr)
         return 2
     for note in lm.warnings:
         print(f"note: {note}", file=sys.stderr)
-    try:
-        for rec in dec:
-            if not args.json:
-                sys.stdout.write(rec.text + ("|" if args.show_blocks and rec.text else ""))
-                sys.stdout.flush()
-    except NonFiniteLogitsError as e:
-        print(f"\nerror: {e}", file=sys.stderr)
-        return 1
-    res = dec.result()
+    results = []
+    for i in range(args.num_samples):
+        dec = Decoder(lm, prompt, strategy, args.max_new_tokens, for_request(sampling, i))
+        if args.num_samples > 1 and not args.json:
+            print(f"--- sample {i + 1} of {args.num_samples} (seed {dec.sampler.seed}) ---", file=sys.stderr)
+        try:
+            for rec in dec:
+                if not args.json:
+                    sys.stdout.write(rec.text + ("|" if args.show_blocks and rec.text else ""))
+                    sys.stdout.flush()
+        except NonFiniteLogitsError as e:
+            print(f"\nerror: {e}", file=sys.stderr)
+            return 1
+        res = dec.result()
+        results.append(res)
+        if not args.json:
+            print()
+            print(f"[{strategy.label}, {sampling.label}] {res.new_tokens} tokens in {res.forward_passes} forward "
+                  f"passes, effective k {res.effective_k:.2f}, {res.seconds:.2f} s, {res.tokens_per_second:.1f} "
+                  f"tokens/s ({lm.dtype_name}; {lm.forward_path})", file=sys.stderr)
     if args.json:
-        obj = res.to_dict()
-        obj["dtype"], obj["forward_path"] = lm.dtype_name, lm.forward_path
-        print(json.dumps(obj, ensure_ascii=False, allow_nan=False))
-    else:
-        print()
-        print(f"[{strategy.label}] {res.new_tokens} tokens in {res.forward_passes} forward passes, "
-              f"effective k {res.effective_k:.2f}, {res.seconds:.2f} s, {res.tokens_per_second:.1f} tokens/s "
-              f"({lm.dtype_name}; {lm.forward_path})", file=sys.stderr)
+        objs = []
+        for res in results:
+            obj = res.to_dict()
+            obj["ids"], obj["dtype"], obj["forward_path"] = res.token_ids, lm.dtype_name, lm.forward_path
+            objs.append(obj)
+        print(json.dumps(objs if args.num_samples > 1 else objs[0], ensure_ascii=False, allow_nan=False))
     return 0
 
 

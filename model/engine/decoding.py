@@ -703,12 +703,22 @@ def generate(
     return run(lm, lm.prompt_ids(prompt), strategy, max_new_tokens, sampling)
 
 
-def hf_generate(lm: LoadedModel, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
-    """Reference: transformers ``generate`` greedy (``do_sample=False``), new ids only.
+def hf_generate(lm: LoadedModel, prompt_ids: Sequence[int], max_new_tokens: int,
+                sampling: Sampling | None = None) -> list[int]:
+    """Reference: transformers ``generate`` greedy (``do_sample=False``), new ids only; with ``sampling`` at a
+    temperature above 0, transformers' own sampling with the same temperature, top-k and top-p (seeded with
+    ``torch.manual_seed`` when a seed is given): a baseline for speed, not the same draws as ours.
 
     Uses the same stop tokens (none: runs to ``max_new_tokens``); the mask token is suppressed as in
     our loop.
     """
+    sampling = sampling or GREEDY
+    if sampling.greedy:
+        how: dict = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+        how = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=lm.device)
     stop = list(lm.stop_token_ids) or None
     pad = lm.tokenizer.pad_token_id
@@ -716,8 +726,7 @@ def hf_generate(lm: LoadedModel, prompt_ids: Sequence[int], max_new_tokens: int)
         pad = stop[0] if stop else 0
     with torch.inference_mode():
         out = lm.model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-            eos_token_id=stop, pad_token_id=pad, suppress_tokens=[lm.mask_token_id], temperature=None, top_p=None,
-            top_k=None,
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, eos_token_id=stop,
+            pad_token_id=pad, suppress_tokens=[lm.mask_token_id], **how,
         )
     return out[0, ids.shape[1]:].tolist()

@@ -191,3 +191,30 @@ def speculative_accept(sampler: TokenSampler, drafts: Sequence[int], target: tor
             total = float(residual.sum())
             return j, sampler.draw(residual / total if total > 0 else target[j]), ratios
     return len(drafts), sampler.draw(target[len(drafts)]), ratios
+
+
+def add_sampling_arguments(parser: Any) -> None:
+    """``--temperature``, ``--top-p``, ``--top-k`` and ``--seed`` on an ``argparse`` parser (the CLIs share them)."""
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 = greedy (default); otherwise sample at this temperature (up to 5)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability (1 = off)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="random seed of the first request (request i uses seed + i); default: a fresh one each")
+
+
+def sampling_from_args(args: Any) -> Sampling:
+    """The checked :class:`Sampling` of parsed :func:`add_sampling_arguments` options.
+
+    Raises:
+        ValueError: as :func:`parse_sampling`.
+    """
+    return parse_sampling(args.temperature, args.top_p, args.top_k, args.seed)
+
+
+def for_request(sampling: Sampling, index: int) -> Sampling:
+    """The settings of the ``index``-th request of a run: the seed advanced by ``index`` (a fixed seed gives every
+    request its own stream, the same on a rerun); no seed stays no seed (a fresh one per request)."""
+    if sampling.greedy or sampling.seed is None:
+        return sampling
+    return Sampling(sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed + index)

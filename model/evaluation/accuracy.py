@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from ..engine.decoding import GenerationResult, run
 from ..engine.loaded_model import LoadedModel
+from ..engine.sampling import GREEDY, Sampling, for_request
 from ..engine.scoring import teacher_nll
 from ..engine.strategies import Strategy, check_max_new_tokens, resolve_strategy, standard
 from ..errors import DataError
@@ -106,6 +107,7 @@ def evaluate(
     step_by_step: bool = False,
     progress: bool = True,
     on_problem: Callable[[dict], None] | None = None,
+    sampling: Sampling | None = None,
 ) -> dict:
     """Run every strategy on every problem and score them (paper 4.5, Table/Figure "accuracy vs k").
 
@@ -120,6 +122,9 @@ def evaluate(
         on_problem: called after each problem with the partial report so far (same shape as
             the return value, ``config["complete"]`` False) — the CLI saves it, so a long run
             that is stopped early still leaves its results.
+        sampling: greedy when None; else every strategy samples problem ``i`` with the same settings and the
+            seed advanced by ``i`` (:func:`~model.engine.sampling.for_request`), so their draws start alike;
+            ``agreement_with_standard`` then compares different draws, not the same decoding.
 
     Returns:
         ``{"config", "strategies": [summary per strategy], "base_standard": summary or None,
@@ -146,14 +151,15 @@ def evaluate(
     problem_rows: list[dict] = []
     bar = tqdm(total=len(problems) * (len(strategies) + has_adapter), desc="evaluate", unit="gen",
                disable=not progress, file=sys.stderr)
-    for prob in problems:
+    for i, prob in enumerate(problems):
+        draw = for_request(sampling or GREEDY, i)
         prompt_ids = lm.prompt_ids(make_prompt(prob["question"], step_by_step))
         row: dict[str, Any] = {"index": prob["index"], "question": prob["question"], "gold": prob["gold"],
                                "prompt_tokens": len(prompt_ids), "results": {}}
         base_text: str | None = None
         if base_lm is not None:
             with lm.base_model():
-                res = run(base_lm, prompt_ids, standard(), max_new_tokens)
+                res = run(base_lm, prompt_ids, standard(), max_new_tokens, draw)
             base_text = res.text
             rec = _record(lm, prompt_ids, res, prob["gold"], None, base_text)
             rec["same_as_standard"] = rec["same_answer_as_standard"] = True
@@ -162,7 +168,7 @@ def evaluate(
             bar.update()
         std_text = std_answer = None
         for s in strategies:
-            res = run(lm, prompt_ids, s, max_new_tokens)
+            res = run(lm, prompt_ids, s, max_new_tokens, draw)
             if s.name == "standard":
                 std_text, std_answer = res.text, extract_answer(res.text)
             rec = _record(lm, prompt_ids, res, prob["gold"], (std_text, std_answer),
@@ -173,15 +179,15 @@ def evaluate(
         problem_rows.append(row)
         if on_problem is not None:
             on_problem(_report(lm, strategies, per_strategy, base_records, problem_rows, max_new_tokens,
-                               step_by_step, len(problems)))
+                               step_by_step, len(problems), sampling or GREEDY))
     bar.close()
     return _report(lm, strategies, per_strategy, base_records, problem_rows, max_new_tokens, step_by_step,
-                   len(problems))
+                   len(problems), sampling or GREEDY)
 
 
 def _report(lm: LoadedModel, strategies: list[Strategy], per_strategy: dict[str, list[dict]],
             base_records: list[dict], problem_rows: list[dict], max_new_tokens: int, step_by_step: bool,
-            n_requested: int) -> dict:
+            n_requested: int, sampling: Sampling = GREEDY) -> dict:
     has_adapter = lm.adapter is not None
     return {
         "config": {
@@ -190,7 +196,7 @@ def _report(lm: LoadedModel, strategies: list[Strategy], per_strategy: dict[str,
             "step_by_step": step_by_step, "n_problems": len(problem_rows),
             "n_requested": n_requested, "complete": len(problem_rows) == n_requested, "strategies": [s.spec for s in strategies],
             "teacher": "base model, adapter off" if has_adapter else "the model itself (no adapter)",
-            "warnings": list(lm.warnings),
+            "warnings": list(lm.warnings), "sampling": sampling.to_dict(),
         },
         "strategies": [summarize(s, per_strategy[s.spec]) for s in strategies],
         "base_standard": summarize(standard(), base_records) if base_records else None,

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 
 from ..engine.batch import BatchRunner
 from ..engine.decoding import Decoder, run
+from ..engine.sampling import GREEDY, Sampling, for_request
 
 #: The arrival modes :func:`concurrency_bench` knows (module docstring).
 ARRIVALS = ("together", "staggered")
@@ -41,11 +42,12 @@ MAX_ROWS = 256
 
 
 def _serve(lm: Any, req: Sequence[Sequence[int]], strategy: Any, max_new_tokens: int, max_rows: int,
-           arrival: str) -> dict:
-    """Serve ``req`` (prompt ids) with ``strategy`` in shared passes; timings, rows and each request's tokens."""
+           arrival: str, sampling: Sampling = GREEDY) -> dict:
+    """Serve ``req`` (prompt ids) with ``strategy`` in shared passes; timings, rows and each request's tokens
+    (request ``i`` sampled with :func:`~model.engine.sampling.for_request`\ ``(sampling, i)``)."""
     n = len(req)
     runner = BatchRunner(lm, max_rows=max_rows, max_sessions=max(n, 1))
-    decs = [Decoder(lm, r, strategy, max_new_tokens) for r in req]
+    decs = [Decoder(lm, r, strategy, max_new_tokens, for_request(sampling, i)) for i, r in enumerate(req)]
     arrived: dict[Decoder, float] = {}
     arrived_at_pass: list[int] = []
     finished: dict[Decoder, float] = {}
@@ -77,9 +79,15 @@ def _serve(lm: Any, req: Sequence[Sequence[int]], strategy: Any, max_new_tokens:
             "arrived_at_pass": arrived_at_pass}
 
 
+def _solo_key(strategy: Any, i: int, prompts: int, sampling: Sampling) -> tuple:
+    """Which solo run request ``i`` must equal: its prompt's (greedy), or its prompt's with its own seed."""
+    return (strategy.spec, i % prompts, None if sampling.greedy or sampling.seed is None else i)
+
+
 def concurrency_bench(lm: Any, prompts: Sequence[str], strategies: Sequence[Any], levels: Sequence[int],
                       max_new_tokens: int = 64, max_rows: int = MAX_ROWS,
-                      arrivals: Sequence[str] = ("together",), repeats: int | str = 1) -> list[dict]:
+                      arrivals: Sequence[str] = ("together",), repeats: int | str = 1,
+                      sampling: Sampling = GREEDY) -> list[dict]:
     """Serve ``n`` requests for each ``n`` in ``levels``, each arrival mode and each strategy (module docstring).
 
     Args:
@@ -91,6 +99,8 @@ def concurrency_bench(lm: Any, prompts: Sequence[str], strategies: Sequence[Any]
         max_rows: most rows in one shared pass.
         arrivals: arrival modes from :data:`ARRIVALS`, each run for every level.
         repeats: rounds per (level, arrival mode), or ``"auto"`` (module docstring).
+        sampling: greedy by default; else request ``i`` samples with the seed advanced by ``i``, and its solo run
+            (the same seed) is what it must equal.
 
     Returns:
         One dict per (level, arrival, strategy), in that nesting order: ``concurrency``, ``arrival``,
@@ -124,15 +134,15 @@ def concurrency_bench(lm: Any, prompts: Sequence[str], strategies: Sequence[Any]
         req = [ids[i % len(ids)] for i in range(n)]
         for s in strategies:  # the solo runs first, outside the timed runs
             for i in range(n):
-                key = (s.spec, i % len(ids))
+                key = _solo_key(s, i, len(ids), sampling)
                 if key not in solo:
-                    solo[key] = run(lm, req[i], s, max_new_tokens).token_ids
+                    solo[key] = run(lm, req[i], s, max_new_tokens, for_request(sampling, i)).token_ids
         rounds = -(-max(levels) // n) if repeats == "auto" else int(repeats)
         for arrival in arrivals:
             outs: dict[str, list[dict]] = {s.spec: [] for s in strategies}
             for k in range(rounds):
                 for s in strategies[k % len(strategies):] + strategies[: k % len(strategies)]:
-                    outs[s.spec].append(_serve(lm, req, s, max_new_tokens, max_rows, arrival))
+                    outs[s.spec].append(_serve(lm, req, s, max_new_tokens, max_rows, arrival, sampling))
             group = []
             for s in strategies:
                 runs = outs[s.spec]
@@ -151,8 +161,8 @@ def concurrency_bench(lm: Any, prompts: Sequence[str], strategies: Sequence[Any]
                     "passes": runs[0]["passes"], "tokens": sum(o["tokens"] for o in runs),
                     "seconds": sum(o["seconds"] for o in runs), "errors": sum(o["errors"] for o in runs),
                     "arrived_at_pass": runs[0]["arrived_at_pass"],
-                    "identical_to_solo": [all(o["generated"][i] == solo[(s.spec, i % len(ids))] for o in runs)
-                                          for i in range(n)],
+                    "identical_to_solo": [all(o["generated"][i] == solo[_solo_key(s, i, len(ids), sampling)]
+                                              for o in runs) for i in range(n)],
                 })
             std = next((r for r in group if r["strategy"] == "standard"), None)
             for r in group:

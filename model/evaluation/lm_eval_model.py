@@ -35,6 +35,7 @@ from lm_eval.api.registry import register_model
 from ..engine.decoding import Decoder
 from ..engine.loaded_model import LoadedModel
 from ..engine.loading import DEFAULT_SOURCE, load_checkpoint, trained_k_max
+from ..engine.sampling import GREEDY, Sampling, for_request, parse_sampling
 from ..engine.scoring import teacher_logprob
 from ..engine.strategies import DEFAULT_K_MAX, check_max_new_tokens, resolve_strategy
 from ..engine.text import chat_prompt_ids, encode_literal
@@ -67,6 +68,8 @@ class MTPLM(LM):
         device, dtype, adapter: passed to :func:`load_checkpoint` (``device=None`` -> auto).
         stats_file: where to write :attr:`stats` as JSON after each ``generate_until`` call.
         batch_size, max_batch_size: accepted for the harness's CLI; decoding is batch size 1.
+        seed: the first sampled request's seed (request ``i`` uses ``seed + i``), when a task samples
+            (``do_sample`` / ``temperature`` in its ``gen_kwargs``).
 
     Attributes:
         stats: ``{"requests", "new_tokens", "forward_passes", "effective_k" (= "mean_acceptance_length"),
@@ -91,6 +94,7 @@ class MTPLM(LM):
         stats_file: str | None = None,
         batch_size: Any = 1,
         max_batch_size: Any = None,
+        seed: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -109,6 +113,7 @@ class MTPLM(LM):
         self._device = self.lm.device
         self._rendered: dict[str, list[int]] = {}
         self.stats_file = stats_file
+        self.seed = int(seed)
         self.stats: dict[str, Any] = {"strategy": self.strategy.spec, "requests": 0, "new_tokens": 0,
                                       "forward_passes": 0, "effective_k": 0.0, "mean_acceptance_length": 0.0,
                                       "seconds": 0.0, "tokens_per_second": 0.0}
@@ -145,11 +150,12 @@ class MTPLM(LM):
 
     # ------------------------------------------------------------------ generation
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
-        """Greedy generation with the configured MTP strategy, one request at a time.
+        """Generation with the configured MTP strategy, one request at a time.
 
         Each request's ``args`` is ``(context, gen_kwargs)``; ``gen_kwargs["until"]`` (str or
-        list) cuts the text at the first stop string; ``max_gen_toks`` caps new tokens. Sampling
-        arguments are ignored (decoding is greedy). Updates :attr:`stats` (effective k =
+        list) cuts the text at the first stop string; ``max_gen_toks`` caps new tokens; ``do_sample``,
+        ``temperature``, ``top_p`` and ``top_k`` sample as transformers would (:meth:`_sampling`; greedy
+        otherwise). Updates :attr:`stats` (effective k =
         generated tokens / forward passes, prefill included).
         """
         from tqdm import tqdm
@@ -160,10 +166,9 @@ class MTPLM(LM):
             until = gen_kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
-            if gen_kwargs.get("do_sample") or float(gen_kwargs.get("temperature", 0.0) or 0.0) > 0:
-                log.warning("mtp decodes greedily: ignoring sampling arguments %s", gen_kwargs)
+            sampling = self._sampling(gen_kwargs, self.stats["requests"])
             ids = self._encode(context) or [self._prefix_id()]
-            dec = Decoder(self.lm, ids, self.strategy, max_new)
+            dec = Decoder(self.lm, ids, self.strategy, max_new, sampling)
             text = ""
             t0 = time.perf_counter()
             for rec in dec:
@@ -184,6 +189,25 @@ class MTPLM(LM):
                  self.stats["forward_passes"], self.stats["tokens_per_second"])
         self._write_stats()
         return out
+
+    def _sampling(self, gen_kwargs: dict, index: int) -> Sampling:
+        """The request's sampling settings from the task's ``gen_kwargs``, as transformers reads them: sampling
+        when ``do_sample`` is true (at ``temperature``, default 1) or, without ``do_sample``, when ``temperature``
+        > 0; ``top_p`` and ``top_k`` apply then. Request ``index`` uses the seed ``seed + index`` (model arg).
+
+        Raises:
+            ValueError: a setting out of range (:func:`~model.engine.sampling.parse_sampling`).
+        """
+        temperature = float(gen_kwargs.get("temperature", 0.0) or 0.0)
+        do_sample = gen_kwargs.get("do_sample")
+        if do_sample is not None and not _bool(do_sample):
+            return GREEDY
+        if _bool(do_sample) and temperature == 0:
+            temperature = 1.0
+        if temperature <= 0:
+            return GREEDY
+        return for_request(parse_sampling(temperature, gen_kwargs.get("top_p"), gen_kwargs.get("top_k"),
+                                          self.seed), index)
 
     def _account(self, tokens: int, passes: int, seconds: float) -> None:
         s = self.stats

@@ -46,6 +46,7 @@ from ..engine.decoding import hf_generate, run, sync
 from ..engine.width import DEFAULT_WIDTHS, WIDTH_PROMPT
 from ..engine.loaded_model import LoadedModel
 from ..engine.loading import REPO_ROOT
+from ..engine.sampling import GREEDY, Sampling, for_request
 from ..engine.strategies import check_max_new_tokens, parse_strategies
 from .accuracy import draft_metrics
 
@@ -140,7 +141,7 @@ def llama_cpp_baseline(lm: LoadedModel, threads: int) -> tuple[Any, str | None]:
 
 
 def run_one(lm: LoadedModel, method: str, strategy: Any, prompt_ids: list[int], max_new_tokens: int,
-            llama: Any = None) -> dict:
+            llama: Any = None, sampling: Sampling | None = None) -> dict:
     """One timed generation. Returns ``{"tokens", "forward_passes", "seconds", "token_ids"}``.
 
     ``seconds`` is wall-clock for the whole generation (device synchronised before and after).
@@ -151,13 +152,13 @@ def run_one(lm: LoadedModel, method: str, strategy: Any, prompt_ids: list[int], 
     t0 = time.perf_counter()
     drafts: list[list[int]] = []
     if method == HF:
-        ids = hf_generate(lm, prompt_ids, max_new_tokens)
+        ids = hf_generate(lm, prompt_ids, max_new_tokens, sampling)
         passes = len(ids)
     elif method == LLAMA:
         ids = llama.generate(prompt_ids, max_new_tokens, lm.stop_token_ids)
         passes = len(ids)
     else:
-        res = run(lm, prompt_ids, strategy, max_new_tokens)
+        res = run(lm, prompt_ids, strategy, max_new_tokens, sampling)
         ids, passes = res.token_ids, res.forward_passes
         drafts = [list(p.counted_drafts) for p in res.passes if p.fed_drafts]
     sync(dev)
@@ -292,6 +293,7 @@ def bench(
     measure_bandwidth: bool = True,
     plain: LoadedModel | None = None,
     llama_cpp: bool = True,
+    sampling: Sampling | None = None,
 ) -> dict:
     """Time HF ``generate`` on the plain base and each strategy, then the width curve and bandwidth.
 
@@ -308,7 +310,11 @@ def bench(
         measure_bandwidth: measure the device's memory bandwidth (1 GiB).
         plain: the plain base for HF ``generate`` (default :func:`plain_base` of ``lm``).
         llama_cpp: add llama.cpp greedy decoding of the same weights as a second baseline, and its width
-            curve, when llama-cpp-python is installed (:func:`llama_cpp_baseline`).
+            curve, when llama-cpp-python is installed (:func:`llama_cpp_baseline`; greedy only: left out when
+            sampling).
+        sampling: greedy when None; else every method samples prompt ``i`` with these settings and the seed
+            advanced by ``i`` (HF ``generate`` with its own sampling); the output-equality checks are then
+            not made (different draws), the drafts' acceptance by position is reported.
 
     Returns:
         ``{"config", "methods": [{"method", "label", "tokens_per_second" (median), "runs",
@@ -330,22 +336,26 @@ def bench(
     plain = plain if plain is not None else plain_base(lm)
     runners = {HF: plain}
     methods: list[tuple[str, Any]] = [(HF, None)] + [(s.spec, s) for s in strategies]
-    llama, llama_note = llama_cpp_baseline(lm, torch.get_num_threads()) if llama_cpp else (None, None)
+    sampling = sampling or GREEDY
+    if not sampling.greedy:
+        llama, llama_note = None, "llama.cpp baseline left out: it decodes greedily, these runs sample"
+    else:
+        llama, llama_note = llama_cpp_baseline(lm, torch.get_num_threads()) if llama_cpp else (None, None)
     if llama is not None:
         methods.insert(1, (LLAMA, None))
     prompt_ids = [lm.prompt_ids(p) for p in prompts]
     if warmup:
         for name, s in methods:
-            run_one(runners.get(name, lm), name, s, prompt_ids[0], min(max_new_tokens, 8), llama)
+            run_one(runners.get(name, lm), name, s, prompt_ids[0], min(max_new_tokens, 8), llama, sampling)
     per: dict[str, list[dict]] = {name: [] for name, _ in methods}
     outputs: dict[str, list[list[int]]] = {name: [] for name, _ in methods}
     drafts: dict[str, list[list[int]]] = {name: [] for name, _ in methods}
     for r in range(repeats):
         order = methods[r % len(methods):] + methods[: r % len(methods)]
         totals = {name: {"tokens": 0, "forward_passes": 0, "seconds": 0.0} for name, _ in methods}
-        for ids in prompt_ids:
+        for i, ids in enumerate(prompt_ids):
             for name, s in order:
-                res = run_one(runners.get(name, lm), name, s, ids, max_new_tokens, llama)
+                res = run_one(runners.get(name, lm), name, s, ids, max_new_tokens, llama, for_request(sampling, i))
                 for key in ("tokens", "forward_passes", "seconds"):
                     totals[name][key] += res[key]
                 if r == 0:
@@ -371,7 +381,7 @@ def bench(
     hf_tps = rows[0]["tokens_per_second"]
     for row in rows:
         row["ratio_to_hf"] = row["tokens_per_second"] / hf_tps if hf_tps > 0 else None
-    std = outputs.get("standard")
+    std = outputs.get("standard") if sampling.greedy else None  # sampled outputs are different draws
     verify_specs = [s.spec for s in strategies if s.verifies]
 
     width = width_curve(lm, plain, widths, width_repeats, before=torch_path_view(lm)) if widths else None
@@ -405,6 +415,7 @@ def bench(
                    "max_new_tokens": max_new_tokens, "torch_threads": torch.get_num_threads(),
                    "weight_bytes": weight_bytes(plain.model), "pass_bytes": nbytes, "mtp_trained": lm.mtp_trained,
                    "adapter": lm.adapter, "cpu": _cpu_name(), "load_average_before": load_before,
+                   "sampling": sampling.to_dict(),
                    "load_average_after": _loadavg()},
         "methods": rows,
         "standard_matches_hf": (std == outputs[HF]) if std is not None else None,
@@ -468,7 +479,8 @@ def format_table(report: dict) -> str:
         lines.append(f"{r['label']:<34} {r['tokens_per_second']:>9.1f} {r['ratio_to_hf']:>6.2f} "
                      f"{r['effective_k']:>7.2f} {r['forward_passes_per_second']:>9.1f} {r['tokens']:>10d}{drafts}")
     lines.append(f"median of {c['repeats']} repeats x {c['prompts']} prompts x {c['max_new_tokens']} new tokens; "
-                 f"{c['device']} {c['dtype']}, {c['torch_threads']} torch threads; {c['forward_path']}")
+                 f"{c['device']} {c['dtype']}, {c['torch_threads']} torch threads; {c['forward_path']}; "
+                 f"{Sampling(**c.get('sampling', {})).label}")
     lines.append(f"baseline: {c['hf_baseline']}; weights {c['weight_bytes'] / 1e6:.0f} MB")
     if report["standard_matches_hf"] is not None:
         lines.append(f"standard output == HF generate output: {report['standard_matches_hf']}")

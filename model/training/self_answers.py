@@ -14,8 +14,8 @@ else through transformers ``generate`` (:func:`greedy_answers`).
 
 The output JSONL has one row per prompt: ``index`` (in the input), ``prompt``, ``response`` (the
 decoded answer), ``reference`` (the data's own answer, when it has one), ``tokens`` (answer tokens),
-``stopped`` (ended with EOS, not at ``--max-new-tokens``) and ``generated_by`` (the base model). Rows are appended and flushed batch by
-batch; a rerun skips the indices already in the file, so an interrupted run continues where it
+``stopped`` (ended with EOS, not at ``--max-new-tokens``) and ``generated_by`` (the base model). Rows are appended and flushed one
+by one as answers end; a rerun skips the indices already in the file, so an interrupted run continues where it
 stopped. :func:`model.training.data.load_examples` reads the file directly (``prompt``/``response``;
 empty answers, kept in the file as done, are skipped).
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -53,12 +53,8 @@ def greedy_answers(lm: LoadedModel, prompts: Sequence[Sequence[int]], max_new_to
     """
     if not prompts:
         return []
-    from ..engine.kernel_forward import KernelForward
-
-    base = lm.without_adapter() if lm.adapter else lm
-    with base.base_model():
-        if isinstance(base.fast_engine(), KernelForward):
-            return _engine_answers(base, prompts, max_new_tokens)
+    if _on_kernels(lm):
+        return _engine_answers(lm, prompts, max_new_tokens)
     pad = lm.tokenizer.pad_token_id
     if pad is None:
         pad = lm.stop_token_ids[0] if lm.stop_token_ids else 0
@@ -84,16 +80,46 @@ def greedy_answers(lm: LoadedModel, prompts: Sequence[Sequence[int]], max_new_to
 
 def _engine_answers(lm: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
     """Standard decoding of every prompt, their passes shared (:class:`~model.engine.batch.BatchRunner`)."""
+    done = dict(stream_answers(lm, list(enumerate(prompts)), max_new_tokens, width=len(prompts)))
+    return [done[i] for i in range(len(prompts))]
+
+
+def stream_answers(lm: LoadedModel, prompts: Sequence[tuple[int, Sequence[int]]], max_new_tokens: int,
+                   width: int = 32) -> Iterator[tuple[int, list[int]]]:
+    """Continuous batching on our kernels: up to ``width`` prompts decode together (standard decoding, passes
+    shared through :class:`~model.engine.batch.BatchRunner`), and a finished one's place goes to the next prompt
+    at once, so a pass keeps ``width`` rows while prompts remain (answers of unequal lengths would otherwise
+    leave the last passes of a batch nearly empty, each costing a whole read of the weights).
+
+    Args:
+        prompts: ``(key, prompt ids)`` pairs, decoded in order.
+
+    Yields:
+        ``(key, answer ids)`` as each answer ends (up to and including its stop token), not in input order.
+    """
     from ..engine.batch import BatchRunner
     from ..engine.decoding import Decoder
     from ..engine.strategies import standard
 
-    decoders = [Decoder(lm, p, standard(), max_new_tokens) for p in prompts]
-    runner = BatchRunner(lm, max_rows=max(64, 4 * len(prompts)), max_sessions=len(prompts))
-    for d in decoders:
-        runner.add(d)
-    runner.run()
-    return [d.result().token_ids for d in decoders]
+    runner = BatchRunner(lm, max_rows=max(64, 4 * width), max_sessions=width)
+    queue, live = list(prompts)[::-1], {}
+    while queue or live:
+        while queue and len(live) < width:
+            key, ids = queue.pop()
+            d = Decoder(lm, ids, standard(), max_new_tokens)
+            live[d] = key
+            runner.add(d)
+        runner.step()
+        for d in [d for d in live if d.done]:
+            yield live.pop(d), d.result().token_ids
+
+
+def _on_kernels(lm: LoadedModel) -> bool:
+    """Whether ``lm`` (a plain base: :func:`load_generator`) decodes on our CPU kernels, where batches of answers
+    share passes."""
+    from ..engine.kernel_forward import KernelForward
+
+    return lm.adapter is None and isinstance(lm.fast_engine(), KernelForward)
 
 
 def _read_done(path: Path) -> dict[int, dict]:
@@ -123,7 +149,7 @@ def write_answers(lm: LoadedModel, examples: Sequence[Example], path: str | Path
                   batch_size: int = 32, max_new_tokens: int = 256, show_progress: bool = True) -> list[dict]:
     """Generate (or finish generating) the greedy answers to ``examples[:limit]`` into ``path``.
 
-    Indices already in ``path`` are skipped; new rows are appended one batch at a time. Within windows
+    Indices already in ``path`` are skipped; new rows are appended as each answer ends (on our kernels, ``batch_size`` answers decode together and a finished one's place goes to the next prompt). Within windows
     of 8 batches prompts are batched by token length (less padding); each row keeps its ``index``.
 
     Returns:
@@ -143,21 +169,26 @@ def write_answers(lm: LoadedModel, examples: Sequence[Example], path: str | Path
     todo = [i for w in range(0, len(todo), window) for i in sorted(todo[w:w + window], key=lambda i: (len(encoded[i]), i))]
     bar = tqdm(total=todo_n, initial=todo_n - len(todo), desc="greedy answers", unit="answer",
                disable=not show_progress or not todo, dynamic_ncols=True)
-    with path.open("a", encoding="utf-8") as f:
+    def answered() -> Iterator[tuple[int, list[int]]]:
+        if _on_kernels(lm):
+            yield from stream_answers(lm, [(i, encoded[i]) for i in todo], max_new_tokens, width=batch_size)
+            return
         for s in range(0, len(todo), batch_size):
             chunk = todo[s:s + batch_size]
-            answers = greedy_answers(lm, [encoded[i] for i in chunk], max_new_tokens)
-            for i, ans in zip(chunk, answers):
-                stopped = bool(ans) and ans[-1] in lm.stop_token_ids
-                body = ans[:-1] if stopped else ans
-                text = lm.tokenizer.decode(body, skip_special_tokens=True).strip()
-                row = {"index": i, "prompt": examples[i].prompt, "response": text,
-                       "reference": examples[i].response, "tokens": len(body), "stopped": stopped,
-                       "generated_by": lm.source}
-                f.write(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
-                done[i] = row
+            yield from zip(chunk, greedy_answers(lm, [encoded[i] for i in chunk], max_new_tokens))
+
+    with path.open("a", encoding="utf-8") as f:
+        for i, ans in answered():
+            stopped = bool(ans) and ans[-1] in lm.stop_token_ids
+            body = ans[:-1] if stopped else ans
+            text = lm.tokenizer.decode(body, skip_special_tokens=True).strip()
+            row = {"index": i, "prompt": examples[i].prompt, "response": text,
+                   "reference": examples[i].response, "tokens": len(body), "stopped": stopped,
+                   "generated_by": lm.source}
+            f.write(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
             f.flush()
-            bar.update(len(chunk))
+            done[i] = row
+            bar.update(1)
     bar.close()
     return [done[i] for i in range(todo_n)]
 

@@ -111,3 +111,24 @@ def test_model_without_bos_or_eos_in_lm_eval(tiny_lm):
     m = MTPLM(lm, strategy="standard")
     with pytest.raises(ValueError, match="neither a BOS nor an EOS"):
         m._prefix_id()
+
+
+def test_generate_until_honours_do_sample_and_temperature(tiny_lm):
+    """``do_sample`` / ``temperature`` sample as transformers reads them (request i seeded seed + i: the same
+    texts on a rerun); ``do_sample=False`` stays greedy whatever the temperature."""
+    ctx = "Question: what is 2 + 3?\nAnswer:"
+    greedy = MTPLM(tiny_lm, strategy="standard", max_gen_toks=12).generate_until([_gen_request(ctx)], True)
+    off = MTPLM(tiny_lm, strategy="standard", max_gen_toks=12).generate_until(
+        [_gen_request(ctx, do_sample=False, temperature=0.9)], True)
+    assert off == greedy
+
+    def sampled(seed):
+        m = MTPLM(tiny_lm, strategy="verify", k_max=3, max_gen_toks=12, seed=seed)
+        return m.generate_until([_gen_request(ctx, do_sample=True, temperature=1.5, top_p=0.95)] * 4, True)
+
+    a = sampled(5)
+    assert a == sampled(5) and a != sampled(6)
+    assert len(set(a)) > 1 and a != greedy * 4  # request i draws with its own seed
+    assert MTPLM(tiny_lm, strategy="standard")._sampling({"temperature": 0.7}, 3).seed == 3
+    with pytest.raises(ValueError, match="top-p"):
+        MTPLM(tiny_lm, strategy="standard")._sampling({"do_sample": True, "top_p": 2}, 0)
