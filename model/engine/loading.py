@@ -230,8 +230,13 @@ def _load_hf(
             kwargs.pop("gguf_file", None)
         tok_kwargs = {"gguf_file": gguf_file} if gguf_file else {}
         tokenizer = AutoTokenizer.from_pretrained(where, **tok_kwargs)
-        model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
-        if cache is not None and gguf_file and bnb is None and _write_gguf_cache(model, tokenizer, cache):
+        caching = cache is not None and gguf_file is not None and bnb is None
+        # The copy holds the dequantised weights at full precision, whatever this load asked for: a later
+        # float32 load must not read weights rounded to the first load's bf16.
+        model = AutoModelForCausalLM.from_pretrained(where, **({**kwargs, "dtype": torch.float32} if caching else kwargs))
+        if caching and not _write_gguf_cache(model, tokenizer, cache):
+            model = model.to(dtype)
+        elif caching:
             # Load the copy just written: transformers marks a GGUF-loaded model as quantized (its weights are
             # plain dequantised tensors), which would keep the first run on the library path; every later run
             # loads the copy, so the first one does too.
@@ -265,7 +270,9 @@ def _gguf_cache_lock(cache: Path | None) -> Any:
 def _gguf_cache_dir(gguf: Path) -> Path | None:
     """Where the dequantised copy of a GGUF file is kept (``$MTP_CACHE_DIR``, default
     ``~/.cache/mtp-lm``), keyed by file name, size and a hash of its first and last MiB (not its
-    mtime: a reinstalled package must hit the same cache); None when ``MTP_NO_CACHE=1``."""
+    mtime: a reinstalled package must hit the same cache); None when ``MTP_NO_CACHE=1``. The copy is float32
+    (SmolLM2-135M: 538 MB on disk; a load in bf16 rounds it as it reads), hence the ``-float32`` suffix: copies
+    that older versions wrote in the first load's dtype are not read."""
     import hashlib
 
     if os.environ.get("MTP_NO_CACHE") == "1" or not gguf.is_file():
@@ -277,7 +284,7 @@ def _gguf_cache_dir(gguf: Path) -> Path | None:
         h.update(f.read(1 << 20))
         f.seek(max(0, size - (1 << 20)))
         h.update(f.read(1 << 20))
-    return root / f"{gguf.stem}-{size}-{h.hexdigest()[:12]}"
+    return root / f"{gguf.stem}-{size}-{h.hexdigest()[:12]}-float32"
 
 
 def _holds_copy(cache: Path | None) -> bool:

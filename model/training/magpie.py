@@ -95,14 +95,16 @@ def instruction_problem(text: str, limits: InstructionLimits = InstructionLimits
     return None
 
 
-def answer_problem(text: str, *, max_repeated_share: float = 0.5) -> str | None:
-    """Why a greedy answer should not be trained on, or None: ``empty``, or ``looping`` (repeated 4-grams
-    cover more than ``max_repeated_share`` of its words: a 135M model's greedy text can loop, and a loop is
-    no general text to learn; a list with a repeated stem stays under the bound)."""
+def answer_problem(text: str, *, max_repeated_share: float = 0.5, n: int = 12) -> str | None:
+    """Why a greedy answer should not be trained on, or None: ``empty``, or ``looping`` (word ``n``-grams seen
+    twice cover more than ``max_repeated_share`` of it: a paragraph said again and again). A small model's
+    greedy text is formulaic ("The discounted cost is ... The discounted cost is $25."): short repeats are what
+    decoding will see and stay; 12-grams repeated over half the answer dropped ~12% of SmolLM2-135M's GSM8K
+    answers and ~15% of its general ones, 4-grams half of them."""
     w = words(text)
     if not w:
         return "empty"
-    if repeated_ngram_share(w, 4) > max_repeated_share:
+    if repeated_ngram_share(w, n) > max_repeated_share:
         return "looping"
     return None
 

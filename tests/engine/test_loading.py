@@ -128,6 +128,16 @@ def test_gguf_file_source_is_the_default_base(smollm2, tmp_path, monkeypatch):
     assert lm.mask_token_id == 49152 == smollm2.mask_token_id
     assert lm.stop_token_ids == (2,)
     assert generate(lm, "What is 2+2?", standard(), 12).token_ids == generate(smollm2, "What is 2+2?", standard(), 12).token_ids
+    # The copy holds full-precision weights whatever the first load asked for (auto: bf16 on a bf16 CPU): a
+    # float32 load from it reads exactly the weights of a float32 parse, never bf16-rounded ones.
+    from safetensors import safe_open
+
+    copy_dir = next(d for d in (tmp_path / "cache").iterdir() if d.is_dir())
+    with safe_open(str(copy_dir / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+    f32 = load_checkpoint(str(smollm2_gguf_path()), device="cpu", dtype="float32", adapter=False)
+    assert parsed == [str(smollm2_gguf_path())]  # read from the copy
+    assert all(torch.equal(a, b) for a, b in zip(f32.model.parameters(), smollm2.model.parameters()))
 
 
 @pytest.mark.integration

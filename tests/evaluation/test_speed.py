@@ -57,7 +57,7 @@ def test_bench_on_tiny_model(tiny_lm):
     w = rep["width"]
     kernels = c["forward_path"].startswith("our kernels")  # then the torch path's pass is timed beside ours
     assert w["widths"] == [1, 2, 4] and [r["name"] for r in w["rows"]] == ["hf_plain", "ours_base"] + (
-        ["torch_path"] if kernels else [])
+        ["torch_path"] if kernels else []) + ["ours_worker_thread"]
     if kernels:  # rows of each width bit-identical to one-token passes: all of them
         assert [(e["width"], e["mtp_equal"], e["real_equal"]) for e in rep["row_exactness"]] == [(2, 2, 2), (4, 4, 4)]
         assert rep["kernels"].startswith("our kernels")
@@ -90,7 +90,8 @@ def test_bench_with_an_adapter_uses_the_plain_base_for_hf(base_tokenizer):
     assert rep["standard_matches_hf"] is True  # aLoRA: standard decoding is the base model
     names = [r["name"] for r in rep["width"]["rows"]]
     kernels = rep["config"]["forward_path"].startswith("our kernels")
-    assert names == ["hf_plain", "ours_base", "ours_adapter"] + (["torch_path"] if kernels else [])
+    assert names == ["hf_plain", "ours_base", "ours_adapter"] + (["torch_path"] if kernels else []) + [
+        "ours_worker_thread"]
     assert rep["config"]["adapter"] == "alora" and "aLoRA" in rep["config"]["forward_path"]
 
 

@@ -80,7 +80,7 @@ def test_sensible_instructions_pass(text):
 
 
 def test_looping_measure_and_answer_filter():
-    loop = "The sky is blue because the sky is blue because the sky is blue because the sky is blue."
+    loop = "The sky is blue because the air scatters blue light. " * 5
     prose = ("Sunlight is scattered by the molecules of the air, and blue light is scattered more than red light "
              "because its wavelength is shorter, so the sky looks blue from the ground.")
     assert repeated_ngram_share(words(loop), 3) > 0.9
@@ -148,7 +148,7 @@ def test_sampled_turns_are_reproducible_and_resumable(base_tokenizer, tmp_path):
 
 def test_mix_filters_and_shares(tmp_path):
     good = "Sunlight is scattered by the air, blue light more than red light, so the sky looks blue."
-    loop = "blue blue sky blue blue sky blue blue sky blue blue sky blue blue sky"
+    loop = "the blue sky is blue and the blue sky is blue " * 4
     a = write_jsonl(tmp_path / "general.jsonl", [
         {"index": i, "prompt": f"general question {i}", "response": good if i % 5 else loop, "tokens": 20,
          "stopped": True, "generated_by": "m"} for i in range(40)])

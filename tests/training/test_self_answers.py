@@ -157,7 +157,8 @@ def test_default_recipe_script_runs_tiny_and_resumes(tmp_path, tiny_model_dir):
     out, answers = tmp_path / "out", tmp_path / "answers" / "a.jsonl"
     env = {**os.environ, "PY": sys.executable, "BASE": str(tiny_model_dir), "DATA": str(data), "OUT": str(out),
            "ANSWERS_FILE": str(answers), "CONTINUE": "0", "ANSWERS": "4", "MAX_NEW": "6", "MAX_STEPS": "2",
-           "BATCH": "2", "SEQ_LEN": "64", "SAVE_EVERY": "1", "GPU": "0", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+           "BATCH": "2", "SEQ_LEN": "64", "SAVE_EVERY": "1", "GPU": "0", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "MAGPIE": "0", "LR_SCHEDULE": "constant"}
     script = str(ROOT / "scripts" / "train_default.sh")
     r = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -177,6 +178,15 @@ def test_default_recipe_script_runs_tiny_and_resumes(tmp_path, tiny_model_dir):
     dry = subprocess.run(["bash", script], env={**env, "DRY_RUN": "1", "GPU": "1", "BATCH": "", "MINUTES": "90"},
                          capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0 and "--batch-size 64" in dry.stdout and "--max-minutes 90" in dry.stdout
+    # the default recipe (MAGPIE=2640): self-written instructions, their answers, DATA's answers, the 3 : 1 mix
+    dry = subprocess.run(["bash", script], env={k: v for k, v in {**env, "DRY_RUN": "1"}.items()
+                                                if k not in ("MAGPIE", "LR_SCHEDULE")},
+                         capture_output=True, text=True, timeout=60)
+    lines = dry.stdout.splitlines()
+    assert dry.returncode == 0 and len(lines) == 5, dry.stdout + dry.stderr
+    assert "model.magpie instructions" in lines[0] and "--count 2640" in lines[0]
+    assert "model.magpie mix" in lines[3] and "answers.jsonl=3" in lines[3] and f"{answers}=1" in lines[3]
+    assert "--data runs/magpie/train_mix.jsonl" in lines[4] and "--lr-schedule cosine --warmup 20" in lines[4]
     # the default (CONTINUE=1) continues the shipped adapter at its own rank: a smaller --lora-rank would be refused
     shipped = json.loads((ROOT / "assets" / "smollm2-135m-mtp" / "adapter_config.json").read_text())["r"]
     dry = subprocess.run(["bash", script], env={**env, "DRY_RUN": "1", "BASE": "smollm2-135m", "CONTINUE": "1"},

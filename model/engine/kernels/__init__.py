@@ -57,7 +57,7 @@ NEEDS = {
 NEEDS["amx"] = NEEDS["avx512bf16"] + ("amx_tile", "amx_bf16")
 #: ``auto``'s order of preference.
 PREFERENCE = ("amx", "avx512bf16", "avx2")
-CFLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
+CFLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,6 +6,11 @@
 // of the same token after the same KV cache, whatever T, whichever other rows share the pass and however
 // many threads run (threads split output columns and (row, head) pairs, never a reduction).
 //
+// Threads: our own pool (parallel(), below), not OpenMP. libgomp keeps a team per calling thread and, once it
+// manages more threads than there are CPUs (a second calling thread, such as a web server's worker, makes a second
+// team), stops spinning between regions and sleeps in the kernel after 1000 spins: on 2 cores a pass from a
+// worker thread cost twice the same pass from the main thread. One pool serves every calling thread.
+//
 // Paths (picked by the caller, one per process):
 //   ISA_AVX2       : AVX2 + FMA. bf16 weights are widened to float32 in registers (a shift and a mask, no
 //                    shuffle: the packing interleaves two 8-column halves); fp32 FMA.
@@ -21,10 +26,11 @@
 // model's dtype after each op that transformers stores in that dtype); the sums inside an op run in our own
 // fixed order, so logits differ from transformers' by rounding (docs/DESIGN.md gives the figures).
 //
-// Built with g++ -O3 -fopenmp -ffp-contract=off (no fast-math: the compiler may not reorder a sum).
+// Built with g++ -O3 -pthread -ffp-contract=off (no fast-math: the compiler may not reorder a sum).
 
 #include <immintrin.h>
-#include <omp.h>
+#include <linux/futex.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,7 +39,11 @@
 #include <errno.h>
 #include <stdio.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
+#include <atomic>
+#include <mutex>
+#include <thread>
 
 #define TGT2 __attribute__((target("avx2,fma,f16c")))
 #define TGT512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
@@ -579,6 +589,88 @@ static void gemm_blocks(const mtp_linear* L, int isa, int T, const float* x, int
   }
 }
 
+// ------------------------------------------------------------------------------------------------ threads
+// One pool for the process: parallel(nt, f) runs f(tid, nt) for tid = 0 .. nt - 1, tid 0 on the calling thread
+// and the others on the pool's workers (created on first need, kept for the life of the process). Regions from
+// several calling threads take turns (a mutex). A worker spins for SPIN_NS after its last task, then sleeps on
+// a futex: the regions of one pass follow each other within microseconds and find the workers awake; between
+// passes they sleep and leave the cores to other work. The partition (share(), tid) alone decides who computes
+// what, so results do not depend on the pool.
+static const int64_t SPIN_NS = 200000;
+static inline int64_t now_ns() {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+struct Pool {
+  std::mutex run_lock;                 // one region at a time
+  std::atomic<uint32_t> gen{0};        // bumped for each region (the futex word)
+  std::atomic<int> pending{0};         // workers still busy with the current region
+  std::atomic<int> sleepers{0};
+  int workers = 0;
+  void (*fn)(void*, int, int) = nullptr;
+  void* ctx = nullptr;
+  int nt = 1;
+};
+static Pool* pool() {
+  static Pool* p = new Pool();  // never destroyed: the workers outlive static destructors at exit
+  return p;
+}
+static void futex_wait(std::atomic<uint32_t>* a, uint32_t v) {
+  syscall(SYS_futex, (uint32_t*)a, FUTEX_WAIT_PRIVATE, v, nullptr, nullptr, 0);
+}
+static void futex_wake(std::atomic<uint32_t>* a) {
+  syscall(SYS_futex, (uint32_t*)a, FUTEX_WAKE_PRIVATE, 0x7fffffff, nullptr, nullptr, 0);
+}
+static void worker_main(int tid, uint32_t seen) {
+  Pool* P = pool();
+  for (;;) {
+    uint32_t g;
+    int64_t t0 = now_ns();
+    int spins = 0;
+    while ((g = P->gen.load(std::memory_order_acquire)) == seen) {
+      if (++spins < 64) { _mm_pause(); continue; }
+      spins = 0;
+      if (now_ns() - t0 < SPIN_NS) continue;
+      P->sleepers.fetch_add(1);
+      futex_wait(&P->gen, seen);
+      P->sleepers.fetch_sub(1);
+      t0 = now_ns();
+    }
+    seen = g;
+    if (tid < P->nt) P->fn(P->ctx, tid, P->nt);
+    P->pending.fetch_sub(1, std::memory_order_release);
+  }
+}
+template <class F> static void parallel(int nt, F&& f) {
+  if (nt <= 1) {
+    f(0, 1);
+    return;
+  }
+  Pool* P = pool();
+  std::lock_guard<std::mutex> lock(P->run_lock);
+  while (P->workers < nt - 1) {  // a new worker starts at the current generation: it waits for the next region
+    std::thread(worker_main, ++P->workers, P->gen.load()).detach();
+  }
+  typedef typename std::remove_reference<F>::type Fn;
+  P->fn = [](void* c, int tid, int n) { (*(Fn*)c)(tid, n); };
+  P->ctx = (void*)&f;
+  P->nt = nt;
+  P->pending.store(P->workers, std::memory_order_relaxed);
+  P->gen.fetch_add(1);  // publishes fn, ctx, nt (sequentially consistent, as the sleepers count)
+  if (P->sleepers.load() > 0) futex_wake(&P->gen);
+  f(0, nt);
+  int64_t t0 = now_ns();
+  for (int spins = 0; P->pending.load(std::memory_order_acquire) != 0;) {
+    _mm_pause();
+    if (++spins >= 64) {
+      spins = 0;
+      if (now_ns() - t0 > SPIN_NS) sched_yield();  // a worker lost its core: let it have ours
+    }
+  }
+}
+
+
 // Thread tid's share of nb column blocks (contiguous, in multiples of 4 blocks).
 static inline void share(int64_t nb, int tid, int nt, int64_t* b0, int64_t* b1) {
   int64_t units = cdiv(nb, 4);
@@ -640,12 +732,11 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
       if (k & 1) d[k] = 0;
     }
   }
-#pragma omp parallel num_threads(nt)
-  {
+  parallel(nt, [&](int tid, int n_threads) {
     int64_t b0, b1;
-    share(nb, omp_get_thread_num(), omp_get_num_threads(), &b0, &b1);
+    share(nb, tid, n_threads, &b0, &b1);
     if (b0 < b1) gemm_blocks(L, M->isa, T, x, ldx, xp, ldxp, out, ldo, b0, b1);
-  }
+  });
   for (int t = 0; t < T; t++)
     for (int64_t j = 0; j < n; j++) {
       float v = out[t * ldo + j];
@@ -668,12 +759,11 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
   A.w = L->lora_a; A.n = L->rank; A.k = L->k; A.layout = L->lora_layout;
   const int64_t nbu = cdiv(L->rank, 16), ldu = nbu * 16;
   float* u = s_u.get((int64_t)arows * ldu);
-#pragma omp parallel num_threads(nt)
-  {
+  parallel(nt, [&](int tid, int n_threads) {
     int64_t b0, b1;
-    share(nbu, omp_get_thread_num(), omp_get_num_threads(), &b0, &b1);
+    share(nbu, tid, n_threads, &b0, &b1);
     if (b0 < b1) gemm_blocks(&A, M->isa, arows, xa, k, nullptr, 0, u, ldu, b0, b1);
-  }
+  });
   // delta[t, j] = sum_r u[t, r] B[j, r] over the member's ranks only (no zero blocks), r in order: the same
   // column kernel on B (packed [out_m, r_m])
   static thread_local Scratch s_d;
@@ -684,12 +774,11 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
     Bm.w = L->m_b[m]; Bm.n = om; Bm.k = rr; Bm.layout = L->lora_layout;
     const int64_t nbm = cdiv(om, 16), ldd = nbm * 16;
     float* d = s_d.get((int64_t)arows * ldd);
-#pragma omp parallel num_threads(nt)
-    {
+    parallel(nt, [&](int tid, int n_threads) {
       int64_t b0, b1;
-      share(nbm, omp_get_thread_num(), omp_get_num_threads(), &b0, &b1);
+      share(nbm, tid, n_threads, &b0, &b1);
       if (b0 < b1) gemm_blocks(&Bm, M->isa, arows, u + r0, ldu, nullptr, 0, d, ldd, b0, b1);
-    }
+    });
     for (int t = 0; t < arows; t++)
       for (int j = 0; j < om; j++) {
         float* yv = y + (int64_t)rows[t] * ldy + o0 + j;
@@ -823,14 +912,15 @@ TGT2 static void attention(const mtp_model* M, int T, const float* q, int64_t ld
     const int64_t ls = B->pos[s] + B->row0[s + 1] - B->row0[s];
     L = ls > L ? ls : L;
   }
-#pragma omp parallel num_threads(nt)
-  {
-    static thread_local Scratch s_sc, s_acc;
+  const int tasks = T * H;
+  parallel(nt, [&](int tid, int n_threads) {
+    static thread_local Scratch s_sc, s_acc, s_idx;
     float* sc = s_sc.get(L + 8);
     float* acc = s_acc.get(hd + 8);
-    int64_t* idx = (int64_t*)malloc(sizeof(int64_t) * (L + 1));
-#pragma omp for schedule(static)
-    for (int task = 0; task < T * H; task++) {
+    int64_t* idx = (int64_t*)s_idx.get(2 * (L + 1));
+    const int per = tasks / n_threads, extra = tasks % n_threads;  // static schedule: contiguous tasks
+    const int task0 = tid * per + (tid < extra ? tid : extra), task1 = task0 + per + (tid < extra ? 1 : 0);
+    for (int task = task0; task < task1; task++) {
       const int t = task / H, h = task % H, g = h / groups, sq = row_seq[t];
       const int r0 = B->row0[sq], Ts = B->row0[sq + 1] - r0, t0 = t - r0;
       const int64_t pos = B->pos[sq], cap = B->cap[sq];
@@ -854,8 +944,7 @@ TGT2 static void attention(const mtp_model* M, int T, const float* q, int64_t ld
       float* o = out + t * ldout + h * hd;
       for (int d = 0; d < hd; d++) o[d] = dtype == DT_BF16 ? round_bf16(acc[d] * inv) : acc[d] * inv;
     }
-    free(idx);
-  }
+  });
 }
 
 // Rotary embedding x cos + rotate_half(x) sin with the first half of sin negated (sin_f), as transformers
