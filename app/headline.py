@@ -69,7 +69,9 @@ def headline(state: TurnState) -> tuple[str, bool]:
         return f"{label} vs standard decoding: waiting for both sides’ first tokens…", False
     speed = times_text(sp.ratio) + _against_the_sums(sp)
     q, parted, warn = state.quality, state.parted_at, False
-    if state.identical and state.final:
+    if not state.turn.sampling.greedy:
+        cost, warn = _sampled_cost(state)
+    elif state.identical and state.final:
         cost = "identical answer" + (" (lossless)" if state.strategy.verifies else "")
     elif parted is None:
         n = min(len(state.standard.token_ids), len(state.mtp.token_ids))
@@ -96,6 +98,23 @@ def headline(state: TurnState) -> tuple[str, bool]:
     elif q is not None and q.standard_repeats:
         cost += ", though standard decoding's answer degenerates into repetition"
     return f"{label}: {speed}, {cost}.", warn
+
+
+def _sampled_cost(state: TurnState) -> tuple[str, bool]:
+    """The headline's cost when both sides sample: the draws differ, so no answer is "identical"; lossless keeps
+    standard sampling's distribution, and any strategy's answer is compared by its likelihood under the model."""
+    q, lossless = state.quality, state.strategy.verifies
+    what = ("lossless: the same distribution as standard sampling, different draws" if lossless
+            else "sampled: different draws")
+    if q is None or q.gap is None:
+        return what + ("" if state.final else " (quality once both are done)"), False
+    if q.gap > NLL_TIE and not lossless:
+        return (f"{what}, and its answer is {q.gap:.2f} nats/token less likely under the model ({q.mtp_nll:.2f} vs "
+                f"{q.standard_nll:.2f})"), True
+    if q.gap < -NLL_TIE or q.gap > NLL_TIE:
+        more = "more" if q.gap < 0 else "less"
+        return f"{what}; this draw is {abs(q.gap):.2f} nats/token {more} likely ({q.mtp_nll:.2f} vs {q.standard_nll:.2f})", False
+    return f"{what}, equally likely under the model ({q.mtp_nll:.2f} vs {q.standard_nll:.2f})", False
 
 
 def direction(ratio: float) -> int:
@@ -151,7 +170,12 @@ def speed_html(state: TurnState | None) -> str:
     bits.append(f"measured sums (race chart; load spikes skew them): {times_text(sp.raw_ratio)}")
     verifies = state.turn.strategy.verifies
     parted = state.parted_at
-    if state.identical:
+    sampling = state.turn.sampling
+    if not sampling.greedy:
+        agree = (f"both sides sample ({sampling.label}, seed {sampling.seed}), so their tokens differ by chance: "
+                 + ("lossless verification keeps the distribution of standard sampling, not its draws"
+                    if verifies else "compare the answers by their likelihood"))
+    elif state.identical:
         agree = "identical answers: lossless, as it must be" if verifies else "identical answers"
     elif parted is None:
         n = min(len(state.standard.token_ids), len(state.mtp.token_ids))
@@ -231,6 +255,7 @@ def summary(state: TurnState | None, *, status: str = "", kind: str = "info") ->
            "model": state.turn.lm.source, "prompt_tokens": len(state.turn.prompt_ids),
            "max_new_tokens": state.turn.max_new_tokens, "standard": side(state.standard, "standard"),
            "mtp": side(state.mtp, state.strategy.spec), "identical": state.identical,
+           "sampling": state.turn.sampling.to_dict(),
            "parted_at": state.parted_at, "quality": quality, "speed": speed}
     if sp is not None:
         out["standard"]["timing"] = _timing_dict(sp.standard)

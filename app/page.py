@@ -36,7 +36,8 @@ from .outputs import (
 from .passes import SHARED, PassScheduler
 from .quality import answer_point
 from .registry import ModelRegistry
-from .requests import STRATEGY_CHOICES, TurnRequest, app_k_max, check_message, k_max_limit, load_examples, parse_history, parse_source
+from .requests import (STRATEGY_CHOICES, TurnRequest, app_k_max, check_message, check_page_controls, k_max_limit,
+                       load_examples, parse_history, parse_source)
 from .sessions import MAX_WAITING, SessionRuns, stop_requested
 from .turn import history_after, prepare_turn, run_turn
 from .zerogpu import GPU_SWEEP_SECONDS, gpu_seconds, on_gpu, zero_gpu
@@ -238,17 +239,27 @@ class Page:
         if extra.get("point"):
             self.sessions.add_point(session, extra["point"])
 
-    def chat(self, message, history, strategy, tau, k_max, k, max_new_tokens, shape, model_key,
-             request: gr.Request = None) -> Iterator[tuple]:
+    def chat(self, message, history, strategy, tau, k_max, k, max_new_tokens, shape, model_key, temperature=0.0,
+             top_p=1.0, request: gr.Request = None) -> Iterator[tuple]:
         """The page's Send / Enter: the turn's updates, the message box changed only by command
-        (:func:`~app.outputs.box_command`: a message the user typed since is never replaced)."""
-        turn = TurnRequest(message, history, strategy, tau, k_max, k, max_new_tokens, model_key, shape)
+        (:func:`~app.outputs.box_command`: a message the user typed since is never replaced). An empty box of the
+        controls the strategy uses is refused (:func:`~app.requests.check_page_controls`), never read as a
+        default."""
         sent = "" if message is None else str(message)
+        try:
+            check_page_controls(strategy, tau, k_max, k)
+        except RequestError as e:
+            out = error_outputs(str(e))
+            yield (box_command(out[0], sent),) + tuple(out[1:])
+            return
+        turn = TurnRequest(message, history, strategy, tau, k_max, k, max_new_tokens, model_key, shape,
+                           temperature=temperature, top_p=top_p)
         for out in self.turn_updates(turn, session_of(request)):
             yield (box_command(out[0], sent),) + tuple(out[1:])
 
     def chat_api(self, message: str, history: list, strategy: str, tau: float, k_max: int, k: int,
-                 max_new_tokens: int, shape: str, model_key: Any, request: gr.Request = None) -> tuple:
+                 max_new_tokens: int, shape: str, model_key: Any, temperature: float = 0.0, top_p: float = 1.0,
+                 request: gr.Request = None) -> tuple:
         """Answer one chat message with standard decoding and an MTP strategy side by side (MCP tool and /chat).
         Every call is independent: the conversation is exactly the history given.
 
@@ -262,6 +273,9 @@ class Page:
             max_new_tokens: most tokens per answer, 1 to 1024.
             shape: lossless only: "fastest here", "linear", "full tree" or mask-block prefixes such as "0/1/3".
             model_key: [source, quantization, precision], e.g. ["smollm2-135m", "none", "auto"].
+            temperature: 0 decodes greedily (default); above 0, up to 2, both sides sample (lossless then keeps the
+                distribution of standard sampling, not its draws).
+            top_p: nucleus sampling, (0, 1]; 1 = off.
 
         Returns:
             15 plain values (message box, history, panes, counters, headline, figures, table, status, notice,
@@ -271,7 +285,8 @@ class Page:
         start = {name: None for name in TURN_OUTPUTS}
         start.update(message=message, history=history if isinstance(history, list) else [], notice="", status="",
                      speed="", table="")
-        turn = TurnRequest(message, history, strategy, tau, k_max, k, max_new_tokens, model_key, shape, stream=False)
+        turn = TurnRequest(message, history, strategy, tau, k_max, k, max_new_tokens, model_key, shape, stream=False,
+                           temperature=temperature, top_p=top_p)
         return plain_outputs(self.turn_updates(turn, None), start)  # independent calls: no shared record
 
     def stop(self, request: gr.Request = None):

@@ -98,4 +98,5 @@ def answer_point(state: "TurnState") -> AnswerPoint | None:
         return None
     s = state.strategy
     return AnswerPoint(tuple(state.turn.model_key), state.turn.number, s.label, s.name, s.tau, state.mtp.effective_k,
-                       state.identical, state.parted_at, q.mtp_nll, q.standard_nll, q.mtp_repeats)
+                       state.identical, state.parted_at, q.mtp_nll, q.standard_nll, q.mtp_repeats,
+                       not state.turn.sampling.greedy)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from model.engine.loading import DEFAULT_SOURCE
+from model.engine.sampling import Sampling, parse_sampling
 from model.engine.strategies import (
     DEFAULT_K_MAX,
     DEFAULT_STATIC_K,
@@ -40,6 +41,8 @@ DEFAULT_MAX_NEW_TOKENS = 128
 MAX_PROMPT_TOKENS = int(os.environ.get("MTP_APP_MAX_PROMPT_TOKENS", "2048"))
 #: Longest message, in characters.
 MAX_MESSAGE_CHARS = int(os.environ.get("MTP_APP_MAX_MESSAGE_CHARS", "16000"))
+#: The temperature control's top (the engine takes up to MAX_TEMPERATURE; past 2 a 135M model writes noise).
+APP_MAX_TEMPERATURE = 2.0
 #: The model menu's quantizations (bitsandbytes, CUDA only) and precisions.
 QUANTIZATIONS = ("none", "4bit", "8bit")
 PRECISIONS = ("auto", "float32", "bfloat16")
@@ -91,6 +94,9 @@ class TurnRequest:
         run_id: names the run's stop flag (:func:`app.sessions.stop_requested`), set when the run starts.
         stream: False for API clients (who read the last outputs only): only the first and last states are
             rendered.
+        temperature: 0 (greedy, the default) to :data:`APP_MAX_TEMPERATURE`; both sides sample alike above 0.
+        top_p: nucleus sampling's share, (0, 1]; 1 = off.
+        seed: the turn's random seed (both sides draw from it); None: a fresh one, reported in the result.
     """
 
     message: Any = ""
@@ -104,6 +110,9 @@ class TurnRequest:
     shape: Any = "linear"
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     stream: bool = True
+    temperature: Any = 0.0
+    top_p: Any = 1.0
+    seed: Any = None
 
     def with_(self, **changes: Any) -> "TurnRequest":
         """A copy with ``changes`` (the value itself never changes)."""
@@ -216,6 +225,47 @@ def app_strategy(choice: Any, tau: Any = DEFAULT_TAU, k_max: Any = None, k: Any 
                                 default_k_max=default_k_max or APP_MAX_K_MAX, cap=APP_MAX_K_MAX)
     except ValueError as e:
         raise RequestError(str(e)) from None
+
+
+def app_sampling(temperature: Any, top_p: Any, seed: Any = None) -> Sampling:
+    """Both sides' sampling settings from the page's controls: temperature 0 (greedy) to
+    :data:`APP_MAX_TEMPERATURE`, top-p in (0, 1]; a turn without a seed gets a fresh one (both sides draw from the
+    same seed, each with its own generator).
+
+    Raises:
+        RequestError: an empty box, a value that is not a number or out of range (the rule and the value named).
+    """
+    for value, name in ((temperature, "The temperature"), (top_p, "top-p")):
+        if value is None or (isinstance(value, str) and not value.strip()):
+            raise RequestError(f"{name} is empty: enter a number ({'0 = greedy' if name != 'top-p' else '1 = off'}).")
+    try:
+        sampling = parse_sampling(temperature, top_p, 0, seed)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    if sampling.temperature > APP_MAX_TEMPERATURE:
+        raise RequestError(f"The temperature must be from 0 (greedy) to {APP_MAX_TEMPERATURE:g} here, got "
+                           f"{temperature!r}.")
+    if not sampling.greedy and sampling.seed is None:
+        sampling = replace(sampling, seed=int.from_bytes(os.urandom(4), "big"))
+    return sampling
+
+
+def check_page_controls(choice: Any, tau: Any, k_max: Any, k: Any) -> None:
+    """The page's boxes that the chosen strategy reads are filled: an emptied tau or k_max box is refused, not read
+    as a default (an API client may leave k_max out: the model's own, :func:`app_k_max`).
+
+    Raises:
+        RequestError: the empty box named, with what to enter.
+    """
+    name = STRATEGY_LABELS.get(str(choice or ""), str(choice or "").strip().lower())
+    def empty(v: Any) -> bool:
+        return v is None or (isinstance(v, str) and not v.strip()) or (isinstance(v, float) and v != v)
+    if name == "confadapt" and empty(tau):
+        raise RequestError("The threshold tau is empty: enter a number from 0 to 1.")
+    if name in ("confadapt", "verify") and empty(k_max):
+        raise RequestError(f"k_max is empty: enter a whole number from 1 to {APP_MAX_K_MAX}.")
+    if name == "static" and empty(k):
+        raise RequestError(f"k is empty: enter a whole number from 1 to {APP_MAX_K_MAX}.")
 
 
 def app_max_new_tokens(value: Any) -> int:

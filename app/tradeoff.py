@@ -20,6 +20,7 @@ TRADEOFF_STATIC = "#9467bd"
 TRADEOFF_NOW = "#111111"
 ANSWER_IDENTICAL = "#2ca02c"
 ANSWER_PARTED = "#ff7f0e"
+ANSWER_SAMPLED = "#8c564b"
 
 
 def tau_point(sweep: Sweep | None, tau: float | None, k_max: int | None = None) -> dict | None:
@@ -88,7 +89,8 @@ def tradeoff_figure(sweep: Sweep | None, *, tau: float | None = None, k_max: int
         tau, k_max: the page's current tau (a star on the ConfAdapt curve of the nearest k_max,
             :func:`tau_point`) and k_max box.
         answers: this session's finished answers (:class:`~model.evaluation.sweep.AnswerPoint`): a point
-            each at its effective k, 1 (identical) or 0 (parted) on top, its NLL below.
+            each at its effective k, 1 (identical) or 0 (parted) on top, its NLL below; a sampled answer below
+            only (the sweep's points are greedy, and the title says so).
         source: ``"shipped"`` (the checkpoint's sweep.json) or ``"measured"`` (on this page), for the title.
 
     Returns:
@@ -185,10 +187,18 @@ def _sweep_traces(panels: _Panels, sweep: Sweep) -> None:
 
 
 def _answer_traces(panels: _Panels, answers: Sequence[AnswerPoint]) -> None:
-    """This session's answers: open circles at 100% (identical) or 0% (parted) on top, their NLL below."""
+    """This session's answers: open circles at 100% (identical) or 0% (parted) on top, their NLL below; sampled
+    answers (two draws, never comparable token for token) by their NLL only."""
+    sampled = [a for a in answers if a.sampled]
+    if sampled:
+        hover = [f"turn {a.turn}: {html.escape(a.label)}, sampled<br>effective k {a.effective_k:.2f}"
+                 + (f"<br>NLL {a.nll:.3f} (standard's draw {a.standard_nll:.3f})"
+                    if a.nll is not None and a.standard_nll is not None else "") for a in sampled]
+        panels.add([a.effective_k for a in sampled], [None] * len(sampled), [a.nll for a in sampled],
+                   name="your sampled answers (NLL only)", colour=ANSWER_SAMPLED, symbol="x", size=10, hover=hover)
     for ok, colour, title in ((True, ANSWER_IDENTICAL, "your answers: identical"),
                               (False, ANSWER_PARTED, "your answers: parted")):
-        group = [a for a in answers if a.identical == ok]
+        group = [a for a in answers if a.identical == ok and not a.sampled]
         if not group:
             continue
         hover = [f"turn {a.turn}: {html.escape(a.label)}<br>effective k {a.effective_k:.2f}<br>"
@@ -211,4 +221,5 @@ def _title(sweep: Sweep | None, source: str | None) -> str:
         bits.append(f"{sweep.max_new_tokens} tokens each")
     if source:
         bits.append("shipped with the checkpoint" if source == "shipped" else "measured on this page")
+    bits.append("greedy decoding")
     return "Speed vs quality<br><sup>" + html.escape(", ".join(b for b in bits if b)) + "</sup>"

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 from model.engine.decoding import Decoder, GenerationResult
 from model.engine.loaded_model import LoadedModel
 from model.engine.loading import DEFAULT_SOURCE
+from model.engine.sampling import GREEDY, Sampling
 from model.engine.strategies import Strategy, Verify, standard, verify_layout
 from model.errors import NonFiniteLogitsError, RequestError
 
@@ -33,6 +34,7 @@ from .requests import (
     MAX_PROMPT_TOKENS,
     TurnRequest,
     app_max_new_tokens,
+    app_sampling,
     app_strategy,
     check_message,
     check_shape,
@@ -63,6 +65,7 @@ class Turn:
             model's context) when the turn is prepared; :func:`run_turn` runs them.
         shape: for lossless turns whose shape was chosen for this device, the choice
             (:class:`app.device.LosslessShape`); else None.
+        sampling: both sides' sampling settings (greedy at temperature 0; the seed both sides draw from).
     """
 
     lm: LoadedModel
@@ -75,6 +78,7 @@ class Turn:
     model_key: tuple[str, str, str] = (DEFAULT_SOURCE, "none", "auto")
     sides: dict = field(default_factory=dict, compare=False, repr=False)
     shape: LosslessShape | None = None
+    sampling: Sampling = GREEDY
 
 
 def engine_messages(history: Sequence[dict]) -> list[dict]:
@@ -121,6 +125,7 @@ def prepare_turn(registry: "ModelRegistry", request: TurnRequest) -> Turn:
     hist = parse_history(request.history)
     key = registry.key(*request.key)
     n_new = app_max_new_tokens(request.max_new_tokens)
+    sampling = app_sampling(request.temperature, request.top_p, request.seed)
     lm = registry.get(*key)
     strat, chosen = app_strategy(request.strategy, request.tau, request.k_max, request.k, lm.default_k_max), None
     if strat.verifies:  # the shape is checked only where it is used
@@ -135,12 +140,13 @@ def prepare_turn(registry: "ModelRegistry", request: TurnRequest) -> Turn:
         raise RequestError(f"{what} is {len(ids):,} tokens long; this demo prefills at most "
                            f"{MAX_PROMPT_TOKENS:,} tokens. Shorten the message or press Clear to start a new chat.")
     try:  # the engine checks the context budget (the MTP side looks further ahead than standard)
-        sides = {"standard": Decoder(lm, ids, standard(), n_new), "mtp": Decoder(lm, ids, strat, n_new)}
+        sides = {"standard": Decoder(lm, ids, standard(), n_new, sampling),
+                 "mtp": Decoder(lm, ids, strat, n_new, sampling)}
     except ValueError as e:
         raise RequestError(str(e)) from None
     number = sum(1 for m in hist if m["role"] == "user") + 1
     return Turn(lm=lm, strategy=strat, max_new_tokens=n_new, history=hist, message=text, prompt_ids=list(ids),
-                number=number, model_key=key, sides=sides, shape=chosen)
+                number=number, model_key=key, sides=sides, shape=chosen, sampling=sampling)
 
 
 #: How a turn ended (TurnState.phase once it is final).

@@ -33,6 +33,7 @@ from .registry import ModelRegistry
 from .requests import (
     APP_MAX_K_MAX,
     APP_MAX_NEW_TOKENS,
+    APP_MAX_TEMPERATURE,
     DEFAULT_MAX_NEW_TOKENS,
     PRECISIONS,
     QUANTIZATIONS,
@@ -140,8 +141,8 @@ def _ask_and_controls(page: Page, c: SimpleNamespace) -> None:
     with gr.Row(elem_id="controls"):
         c.strategy = gr.Radio(list(STRATEGY_CHOICES), value="ConfAdapt", label="MTP strategy (right pane)",
                               elem_id="strategy", scale=3, min_width=240)
-        c.tau = threshold_slider(value=DEFAULT_TAU, label="tau (0 to 1)", elem_id="tau", min_width=160, scale=2,
-                                 info="ConfAdapt threshold")
+        c.tau = unchecked_slider(0, 1, 0.01, value=DEFAULT_TAU, label="tau (0 to 1)", elem_id="tau", min_width=160,
+                                 scale=2, info="ConfAdapt threshold")
         c.k_max = gr.Number(page.default_k_max, label=f"k_max (1 to {APP_MAX_K_MAX})", elem_id="k-max", min_width=100,
                             scale=1, info="proposals per pass (lossless: the upper bound)")
         c.k = gr.Number(DEFAULT_STATIC_K, label=f"k (1 to {APP_MAX_K_MAX})", elem_id="k", min_width=100, scale=1,
@@ -150,6 +151,12 @@ def _ask_and_controls(page: Page, c: SimpleNamespace) -> None:
                            min_width=200, visible=False)
         c.max_new = gr.Number(DEFAULT_MAX_NEW_TOKENS, label=f"max new tokens (1 to {APP_MAX_NEW_TOKENS})",
                               elem_id="max-new-tokens", min_width=120, scale=1, info="per answer")
+    with gr.Row(elem_id="sampling-controls"):
+        c.temperature = unchecked_slider(0, APP_MAX_TEMPERATURE, 0.05, value=0.0, label="temperature",
+                                         elem_id="temperature", min_width=160, scale=2,
+                                         info="0 = greedy; above 0 both sides sample")
+        c.top_p = unchecked_slider(0.05, 1, 0.01, value=1.0, label="top-p", elem_id="top-p", min_width=160, scale=2,
+                                   info="nucleus: keep this much probability (1 = off)")
     c.strategy_help = gr.HTML(render.strategy_help_html("ConfAdapt"), elem_id="strategy-help", js_on_load=None)
     note, button = page.device_outputs(page.default_key) if page.loaded(None) is not None else \
         ("", gr.update(visible=False))
@@ -240,7 +247,8 @@ def _api_components(page: Page, c: SimpleNamespace) -> None:
             gr.Textbox(label="message"), history_input(), gr.Textbox("ConfAdapt", label="strategy"),
             gr.Number(DEFAULT_TAU, label="tau"), gr.Number(page.default_k_max, label="k_max"),
             gr.Number(DEFAULT_STATIC_K, label="k"), gr.Number(DEFAULT_MAX_NEW_TOKENS, label="max_new_tokens"),
-            gr.Textbox("fastest here", label="shape"), c.model_key]
+            gr.Textbox("fastest here", label="shape"), c.model_key, gr.Number(0.0, label="temperature"),
+            gr.Number(1.0, label="top_p")]
         c.api_chat_outputs = [api_output(name) for name in TURN_OUTPUTS]
         c.api_load_inputs = [gr.Textbox(DEFAULT_SOURCE, label="choice"), gr.Textbox("", label="local_path"),
                              gr.Textbox("none", label="quantization"), gr.Textbox("auto", label="precision"),
@@ -255,7 +263,8 @@ def _wire(page: Page, c: SimpleNamespace) -> None:
     outputs = [c.box, c.history, c.chat_std, c.chat_mtp, c.stats_std, c.stats_mtp, c.speed, c.coloured, c.figure,
                c.race, c.table, c.status, c.notice, c.tradeoff, c.result]
     assert len(outputs) == len(TURN_OUTPUTS)
-    turn_inputs = [c.message, c.history, c.strategy, c.tau, c.k_max, c.k, c.max_new, c.shape, c.model_key]
+    turn_inputs = [c.message, c.history, c.strategy, c.tau, c.k_max, c.k, c.max_new, c.shape, c.model_key,
+                   c.temperature, c.top_p]
     gr.on([c.send.click, c.message.submit], page.chat, turn_inputs, outputs, api_name=False, trigger_mode="multiple",
           concurrency_limit=CONCURRENCY, concurrency_id="generate", show_progress="hidden")
     c.box.change(None, [c.box, c.message], c.message, js=BOX_JS, **quiet)
@@ -281,14 +290,14 @@ def _wire(page: Page, c: SimpleNamespace) -> None:
                      concurrency_limit=1)
 
 
-def threshold_slider(**kwargs: Any) -> gr.Slider:
-    """The tau control: Gradio's slider over [0, 1] (step 0.01, arrow keys step by it) with its number box beside
-    it, whose value reaches the app unchecked. Gradio's own check would raise a number typed past an end as a toast
-    over the controls, on every ``change`` of the box; the slider itself comes back to its range, and a value
-    outside it (an API client's) is refused by :func:`app.requests.app_strategy` in the status line, naming the rule
-    and the value. (An instance attribute, not a subclass: Gradio writes a ``.pyi`` file beside the module of
+def unchecked_slider(lo: float, hi: float, step: float, **kwargs: Any) -> gr.Slider:
+    """A control of tau, the temperature or top-p: Gradio's slider over [lo, hi] (arrow keys step by ``step``) with
+    its number box beside it, whose value reaches the app unchecked. Gradio's own check would raise a number typed
+    past an end as a toast over the controls, on every ``change`` of the box; the slider itself comes back to its
+    range, and a value outside it (an API client's) is refused by :mod:`app.requests` in the status line, naming the
+    rule and the value. (An instance attribute, not a subclass: Gradio writes a ``.pyi`` file beside the module of
     every Component subclass.)"""
-    slider = gr.Slider(0, 1, step=0.01, **kwargs)
+    slider = gr.Slider(lo, hi, step=step, **kwargs)
     slider.preprocess = lambda payload: payload  # type: ignore[method-assign]
     return slider
 

@@ -257,6 +257,8 @@ class AnswerPoint:
             not scored).
         standard_nll: the same for standard decoding's answer (None when not scored).
         repeats: the answer degenerates into repetition.
+        sampled: both sides sampled (temperature above 0): ``identical`` and ``parted_at`` compare two draws, not
+            two decodings.
     """
 
     model_key: tuple[str, ...]
@@ -270,19 +272,20 @@ class AnswerPoint:
     nll: float | None = None
     standard_nll: float | None = None
     repeats: bool = False
+    sampled: bool = False
 
     def to_dict(self) -> dict:
         """Plain values: ``{"model_key" (a list), "turn", "label", "name", "tau", "effective_k", "identical",
-        "parted_at", "nll", "standard_nll", "repeats"}``."""
+        "parted_at", "nll", "standard_nll", "repeats", "sampled"}``."""
         return {"model_key": list(self.model_key), "turn": self.turn, "label": self.label, "name": self.name,
                 "tau": self.tau, "effective_k": self.effective_k, "identical": self.identical,
                 "parted_at": self.parted_at, "nll": self.nll, "standard_nll": self.standard_nll,
-                "repeats": self.repeats}
+                "repeats": self.repeats, "sampled": self.sampled}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "AnswerPoint":
         """Inverse of :meth:`to_dict`; ``tau``, ``parted_at``, ``nll`` and ``standard_nll`` may be absent (None),
-        ``repeats`` too (False).
+        ``repeats`` and ``sampled`` too (False).
 
         Raises:
             ValueError: not a mapping, a missing ``model_key``, ``turn``, ``label``, ``name``, ``effective_k`` or
@@ -299,7 +302,7 @@ class AnswerPoint:
         return cls(tuple(key), _whole(d, "turn"), _text(d, "label"), _text(d, "name"),  # type: ignore[arg-type]
                    _number(d, "tau"), _number(d, "effective_k", optional=False),  # type: ignore[arg-type]
                    bool(d["identical"]), _whole(d, "parted_at"), _number(d, "nll"), _number(d, "standard_nll"),
-                   bool(d.get("repeats", False)))
+                   bool(d.get("repeats", False)), bool(d.get("sampled", False)))
 
 
 # ----------------------------------------------------------------------------- making, writing, reading

@@ -74,7 +74,7 @@ def rss_mb() -> float:
 
 def _turn(page: Page, i: int, session: str = "s1") -> dict:
     *_, last = page.chat(f"Question {i}: count to three.", [], "ConfAdapt", 0.9, 4, 3, 12, "linear", KEY,
-                         types.SimpleNamespace(session_hash=session))  # the page's own turn: recorded per session
+                         request=types.SimpleNamespace(session_hash=session))  # the page's own turn: recorded per session
     return dict(zip(TURN_OUTPUTS, last))
 
 

@@ -76,12 +76,13 @@ def client(served):
 
 
 def ask(client, message, history=(), strategy="ConfAdapt", tau=0.9, k_max=4, k=3, max_new_tokens=N_NEW,
-        shape="linear"):
+        shape="linear", temperature=0.0, top_p=1.0):
     """One /chat call; returns the outputs as a dict keyed by :data:`app.ui.TURN_OUTPUTS`. Lossless runs the
     linear layout at k_max unless ``shape`` says otherwise (the page's default is "fastest here")."""
     from app.ui import TURN_OUTPUTS
 
-    out = client.predict(message, list(history), strategy, tau, k_max, k, max_new_tokens, shape, api_name="/chat")
+    out = client.predict(message, list(history), strategy, tau, k_max, k, max_new_tokens, shape, temperature, top_p,
+                         api_name="/chat")
     assert len(out) == len(TURN_OUTPUTS)
     return dict(zip(TURN_OUTPUTS, out))
 
@@ -328,7 +329,7 @@ def test_api_names_every_output_and_takes_what_the_readme_documents(tiny_served)
     api = c.view_api(return_format="dict", print_info=False)["named_endpoints"]
     chat, load = api["/chat"], api["/load_model"]
     assert [p["parameter_name"] for p in chat["parameters"]] == ["message", "history", "strategy", "tau", "k_max", "k",
-                                                                 "max_new_tokens", "shape"]
+                                                                 "max_new_tokens", "shape", "temperature", "top_p"]
     assert [r["label"] for r in chat["returns"]] == list(ui.TURN_OUTPUTS)
     assert [p["parameter_name"] for p in load["parameters"]] == ["choice", "local_path", "quantization", "precision"]
     assert [r["label"] for r in load["returns"]] == ["model_info", "status", "k_max"]
@@ -341,6 +342,13 @@ def test_api_names_every_output_and_takes_what_the_readme_documents(tiny_served)
     assert res["phase"] == "done" and res["mtp"]["strategy"] == "confadapt:0.5:4"
     res = ask(c, "hi", strategy="static", k=2, max_new_tokens=6)["result"]
     assert res["phase"] == "done" and res["mtp"]["strategy"] == "static:2"
+    # sampling: both sides draw with the turn's seed; the headline never claims an identical answer
+    res = ask(c, "hi", strategy="lossless", k_max=4, max_new_tokens=6, temperature=0.8, top_p=0.9)["result"]
+    assert res["phase"] == "done" and res["sampling"]["temperature"] == 0.8 and res["sampling"]["top_p"] == 0.9
+    assert isinstance(res["sampling"]["seed"], int) and "identical" not in res["headline"]
+    assert "same distribution as standard sampling" in res["headline"]
+    out = ask(c, "hi", temperature=3.5)
+    assert out["result"]["phase"] == "error" and "temperature must be from 0 (greedy) to 2" in out["result"]["status"]
     # what the README does not document is refused by the app, in its words, as a plain value
     out = ask(c, "hi", strategy="lossless", k_max=4, shape="zigzag")
     assert out["result"]["phase"] == "error" and "Unknown lossless shape 'zigzag'" in out["result"]["status"]
@@ -384,7 +392,7 @@ def test_a_turn_starts_only_after_the_stopped_run_has_ended_and_recorded_its_ans
     got = threading.Semaphore(0)
 
     def send():
-        for out in chat("What next?", [], "ConfAdapt", 0.9, 4, 3, 4, "linear", key, _request("s")):
+        for out in chat("What next?", [], "ConfAdapt", 0.9, 4, 3, 4, "linear", key, request=_request("s")):
             outputs.append(dict(zip(ui.TURN_OUTPUTS, out)))
             got.release()
 
@@ -411,7 +419,7 @@ def test_a_turn_that_ends_without_its_last_update_keeps_its_message(tiny_registr
     demo = build_app(tiny_registry, preload=False)
     sessions, chat = demo.mtp_sessions, _chat_of(demo)
     key = ("tiny", "none", "auto")
-    gen = chat("Tell me a long story.", [], "ConfAdapt", 0.9, 4, 3, 200, "linear", key, _request("s"))
+    gen = chat("Tell me a long story.", [], "ConfAdapt", 0.9, 4, 3, 200, "linear", key, request=_request("s"))
     for _ in range(3):
         next(gen)
     gen.close()  # closed mid-turn, before its final update
@@ -419,10 +427,10 @@ def test_a_turn_that_ends_without_its_last_update_keeps_its_message(tiny_registr
     kept = sessions.conversation("s", [])
     assert kept[0] == {"role": "user", "content": "Tell me a long story."} and kept[1]["role"] == "assistant"
     outs = [dict(zip(ui.TURN_OUTPUTS, o)) for o in chat("And then?", [], "ConfAdapt", 0.9, 4, 3, 4, "linear", key,
-                                                     _request("s"))]
+                                                     request=_request("s"))]
     assert outs[-1]["result"]["turn"] == 2 and outs[-1]["history"][:2] == kept
     # a cleared run that is closed keeps no conversation
-    gen = chat("Another story.", outs[-1]["history"], "ConfAdapt", 0.9, 4, 3, 200, "linear", key, _request("s"))
+    gen = chat("Another story.", outs[-1]["history"], "ConfAdapt", 0.9, 4, 3, 200, "linear", key, request=_request("s"))
     next(gen)
     next(gen)
     sessions.request_stop("s", "cleared")
@@ -449,7 +457,7 @@ def test_clear_that_arrives_while_the_turn_ends_is_not_undone_by_its_last_update
 
     monkeypatch.setattr(turn_module, "score_answers", score_then_clear)
     outs = [dict(zip(ui.TURN_OUTPUTS, o)) for o in chat("hi", [], "ConfAdapt", 0.9, 4, 3, 4, "linear",
-                                                       ("tiny", "none", "auto"), _request("s"))]
+                                                       ("tiny", "none", "auto"), request=_request("s"))]
     assert not any("done in" in str(o["status"]) for o in outs)
     assert "Cleared" in outs[-1]["status"] and outs[-1]["history"] == []  # the page's last word is Clear's
     assert sessions.conversation("s", []) == [] and sessions.current("s") is None
@@ -471,7 +479,8 @@ def test_the_chat_is_an_mcp_tool_an_agent_can_read_and_call(tiny_served):
     chat = schema["chat_api"]
     assert chat["description"].startswith("Answer one chat message with standard decoding and an MTP strategy")
     props = chat["inputSchema"]["properties"]
-    assert list(props) == ["message", "history", "strategy", "tau", "k_max", "k", "max_new_tokens", "shape"]
+    assert list(props) == ["message", "history", "strategy", "tau", "k_max", "k", "max_new_tokens", "shape",
+                           "temperature", "top_p"]
     assert "0 to 1" in props["tau"]["description"] and chat["inputSchema"]["required"] == ["message"]
     assert "load_model_api" in schema
 

@@ -98,7 +98,7 @@ def test_answer_points_are_plain_values_both_ways():
     d = point.to_dict()
     assert d == {"model_key": ["smollm2-135m", "none", "auto"], "turn": 2, "label": "ConfAdapt tau=0.90 k_max=4",
                  "name": "confadapt", "tau": 0.9, "effective_k": 1.8, "identical": False, "parted_at": 6,
-                 "nll": 0.7, "standard_nll": 0.4, "repeats": True}
+                 "nll": 0.7, "standard_nll": 0.4, "repeats": True, "sampled": False}
     assert AnswerPoint.from_dict(d) == point and AnswerPoint.from_dict(json.loads(json.dumps(d))) == point
     assert pickle.loads(pickle.dumps(point)) == point  # what a ZeroGPU worker sends back
     short = AnswerPoint.from_dict({"model_key": ["m"], "turn": 1, "label": "standard", "name": "standard",
