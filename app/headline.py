@@ -3,7 +3,9 @@ the status line, and the turn's plain JSON summary for API clients (no Gradio, n
 
 from __future__ import annotations
 
+import html
 import math
+from typing import Any
 
 from model.engine.decoding import GenerationResult
 
@@ -215,7 +217,7 @@ def turn_status(state: TurnState) -> tuple[str, str]:
         return (f"Turn {n}: done in {state.wall_seconds:.1f} s wall-clock (both sides, passes alternating, and one "
                 "scoring pass per answer).", "info")
     if state.phase == "stopped":
-        return (f"⏹ Turn {n}: stopped after {state.standard.new_tokens} standard and {state.mtp.new_tokens} MTP "
+        return (f"■ Turn {n}: stopped after {state.standard.new_tokens} standard and {state.mtp.new_tokens} MTP "
                 "tokens. The partial answers stay in the conversation; send a new message to continue.", "info")
     if state.phase == "cleared":
         return CLEARED, "info"
@@ -280,3 +282,33 @@ def _timing_dict(t: SideTiming | None) -> dict | None:
     return {"prefill_s": round(t.prefill, 6), "pass_s": None if t.per_pass is None else round(t.per_pass, 6),
             "seconds": round(t.seconds, 6), "tokens_per_second": round(t.tokens_per_second, 3),
             "measured_s": round(t.measured, 6)}
+
+
+def agent_summary(result: dict) -> dict:
+    """The small result an agent gets (the MCP tool ``chat``): the turn's state and status, the headline in plain
+    words, each answer's text and counts, the speedup and the sampling settings; from :func:`summary`'s value.
+
+    Keys: ``phase``, ``status``, ``headline``, ``warning``, ``speedup`` (the headline's ratio, None before both
+    sides ran), ``identical``, ``sampling``, ``standard`` and ``mtp`` (each ``text``, ``new_tokens``,
+    ``forward_passes``, ``effective_k``, ``tokens_per_second``; ``mtp`` also ``strategy``).
+    """
+    def side(d: dict | None) -> dict | None:
+        if not d:
+            return None
+        out = {k: d.get(k) for k in ("text", "new_tokens", "forward_passes", "effective_k", "tokens_per_second")}
+        if d.get("strategy") != "standard":
+            out["strategy"] = d.get("strategy")
+        return out
+
+    speed = result.get("speed") or {}
+    return {"phase": result.get("phase"), "status": _plain(result.get("status", "")), "headline": result.get("headline"),
+            "warning": bool(result.get("warning", False)), "speedup": speed.get("ratio"),
+            "identical": result.get("identical"), "sampling": result.get("sampling"),
+            "standard": side(result.get("standard")), "mtp": side(result.get("mtp"))}
+
+
+def _plain(text: Any) -> str:
+    """A status as words (the page's HTML tags and entities removed)."""
+    import re
+
+    return html.unescape(re.sub(r"<[^>]+>", "", str(text or ""))).strip()

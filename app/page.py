@@ -21,6 +21,7 @@ from model.engine.loading import DEFAULT_SOURCE
 from model.errors import RequestError
 
 from . import render, tradeoff
+from .headline import agent_summary
 from .device import WidthProfile, progress_of
 from .outputs import (
     TURN_OUTPUTS,
@@ -278,9 +279,8 @@ class Page:
             top_p: nucleus sampling, (0, 1]; 1 = off.
 
         Returns:
-            15 plain values (message box, history, panes, counters, headline, figures, table, status, notice,
-            trade-off figure, result); the last, result, is a JSON summary: both answers, tokens per second,
-            forward passes, effective k and the speedup.
+            15 plain values: the message box, history, panes, counters, headline, figures, table, status and notice
+            then the trade-off figure and the result: a JSON summary of both answers and their speed
         """
         start = {name: None for name in TURN_OUTPUTS}
         start.update(message=message, history=history if isinstance(history, list) else [], notice="", status="",
@@ -288,6 +288,40 @@ class Page:
         turn = TurnRequest(message, history, strategy, tau, k_max, k, max_new_tokens, model_key, shape, stream=False,
                            temperature=temperature, top_p=top_p)
         return plain_outputs(self.turn_updates(turn, None), start)  # independent calls: no shared record
+
+    def chat_summary(self, message: str, history: list, strategy: str = "ConfAdapt", tau: float = 0.9,
+                     k_max: int | None = None, k: int = 3, max_new_tokens: int = 128, shape: str = "fastest here",
+                     model_key: Any = None, temperature: float = 0.0, top_p: float = 1.0,
+                     request: gr.Request = None) -> str:
+        """Answer one chat message twice, with standard decoding and with a multi-token-prediction (MTP) strategy,
+        and say how much faster MTP was. Every call is independent: the conversation is exactly the history given.
+
+        Args:
+            message: the user's message.
+            history: the conversation so far, [] for a new chat: [{"role": "user", "content": "..."}, ...].
+            strategy: the MTP side's strategy: "ConfAdapt", "static k" or "lossless".
+            tau: ConfAdapt's confidence threshold, 0 to 1 (0.9 keeps answers close to standard decoding).
+            k_max: most tokens per forward pass (lossless: the upper bound), 1 to 32; empty: the model's own.
+            k: static k's tokens per pass, 1 to 32.
+            max_new_tokens: most tokens per answer, 1 to 1024.
+            shape: lossless only: "fastest here", "linear", "full tree" or mask-block prefixes such as "0/1/3".
+            model_key: [source, quantization, precision]; empty: the embedded default model.
+            temperature: 0 decodes greedily (default); above 0, up to 2, both sides sample.
+            top_p: nucleus sampling, (0, 1]; 1 = off.
+
+        Returns:
+            A JSON object with phase ("done", "stopped", "error" or "refused") and status (in words)
+            headline (the speed and its cost in one sentence) and warning (true when the MTP answer is worse)
+            speedup (MTP tokens per second over standard's) and identical (both answers are the same text)
+            sampling (temperature, top_p, top_k, seed) and the two answers as standard and mtp
+            each with text, new_tokens, forward_passes, effective_k and tokens_per_second (mtp: also strategy)
+        """
+        import json
+
+        out = self.chat_api(message, history, strategy, tau, k_max, k, max_new_tokens, shape, model_key,
+                            temperature, top_p)
+        return json.dumps(agent_summary(out[TURN_OUTPUTS.index("result")] or {}), ensure_ascii=False,
+                          allow_nan=False)
 
     def stop(self, request: gr.Request = None):
         """Stop: the session's running answer ends before its next pass (a waiting message then starts)."""

@@ -72,12 +72,16 @@ def pane_html(history: Sequence[dict], message: str | None, answer: str | None, 
         side: ``"standard"`` or ``"mtp"``.
         title: the pane's heading (shown above the scroll area, never over the text).
         running: show a cursor after the answer.
+
+    Where an MTP answer differs from the standard one and the conversation goes on after it, a note says that
+    the next turn continues from the standard answer (not after the last answer: nothing continues yet).
     """
     rows = []
-    for m in history:
+    for i, m in enumerate(history):
         content = m.get("mtp", m["content"]) if side == "mtp" and m["role"] == "assistant" else m["content"]
         rows.append(_bubble(m["role"], content))
-        if side == "mtp" and m["role"] == "assistant" and "mtp" in m and m["mtp"] != m["content"]:
+        continued = message is not None or any(later["role"] == "user" for later in history[i + 1:])
+        if side == "mtp" and m["role"] == "assistant" and "mtp" in m and m["mtp"] != m["content"] and continued:
             rows.append('<div class="mtp-note">The conversation continues from the standard answer (left), '
                         "so both panes answer the same prompts.</div>")
     if message is not None:

@@ -5,11 +5,12 @@ Every user turn is answered by standard decoding (left) and by the chosen MTP st
 k or lossless verification), both on the same conversation. What each event does lives in :mod:`app.page`; this
 module only builds components and connects them. The style is ``assets/app.css``.
 
-API clients (``gradio_client``) and MCP clients get plain values: ``/chat`` and ``/load_model`` are events of their
-own whose outputs are complete values (the page's own events may skip outputs, which a client would receive as
-Gradio's raw update dicts), on hidden components of their own: free-form inputs (the README's vocabulary, which
-the page's radio buttons would refuse) and outputs labelled with their names (``view_api()``). ``/chat`` is also
-the app's MCP tool (``launch(mcp_server=True)``), described by :meth:`app.page.Page.chat_api`'s docstring.
+API clients (``gradio_client``) and MCP clients get plain values: ``/chat``, ``/chat_summary`` and ``/load_model``
+are events of their own whose outputs are complete values (the page's own events may skip outputs, which a client
+would receive as Gradio's raw update dicts), on hidden components of their own: free-form inputs (the README's
+vocabulary, which the page's radio buttons would refuse) and outputs labelled with their names (``view_api()``).
+The app's MCP tools (``launch(mcp_server=True)``) are ``chat_summary`` (a small JSON result, described by
+:meth:`app.page.Page.chat_summary`'s docstring) and ``load_model_api``; ``/chat`` (the page's 15 outputs) is API only.
 """
 
 from __future__ import annotations
@@ -240,6 +241,7 @@ def _api_components(page: Page, c: SimpleNamespace) -> None:
     c.box = gr.Textbox("", visible=False, elem_id="box-command")
     c.api_chat = gr.Button(visible=False, elem_id="api-chat")
     c.api_load = gr.Button(visible=False, elem_id="api-load")
+    c.api_summary = gr.Button(visible=False, elem_id="api-summary")
     with gr.Column(visible=False, elem_id="api-components"):
         # Free-form inputs that take the README's vocabulary (the page's radio buttons and slider refuse values
         # outside their choices before the app can check them), outputs labelled with their names.
@@ -250,6 +252,7 @@ def _api_components(page: Page, c: SimpleNamespace) -> None:
             gr.Textbox("fastest here", label="shape"), c.model_key, gr.Number(0.0, label="temperature"),
             gr.Number(1.0, label="top_p")]
         c.api_chat_outputs = [api_output(name) for name in TURN_OUTPUTS]
+        c.api_summary_output = gr.Textbox(label="summary")
         c.api_load_inputs = [gr.Textbox(DEFAULT_SOURCE, label="choice"), gr.Textbox("", label="local_path"),
                              gr.Textbox("none", label="quantization"), gr.Textbox("auto", label="precision"),
                              c.model_key]
@@ -268,8 +271,10 @@ def _wire(page: Page, c: SimpleNamespace) -> None:
     gr.on([c.send.click, c.message.submit], page.chat, turn_inputs, outputs, api_name=False, trigger_mode="multiple",
           concurrency_limit=CONCURRENCY, concurrency_id="generate", show_progress="hidden")
     c.box.change(None, [c.box, c.message], c.message, js=BOX_JS, **quiet)
-    c.api_chat.click(page.chat_api, c.api_chat_inputs, c.api_chat_outputs, api_name="chat",
+    c.api_chat.click(api_only(page.chat_api), c.api_chat_inputs, c.api_chat_outputs, api_name="chat",
                      concurrency_limit=CONCURRENCY, concurrency_id="generate", show_progress="hidden")
+    c.api_summary.click(page.chat_summary, c.api_chat_inputs, c.api_summary_output, api_name="chat_summary",
+                        concurrency_limit=CONCURRENCY, concurrency_id="generate", show_progress="hidden")
     c.stop.click(page.stop, None, c.notice, **quiet)
     c.clear.click(page.clear, c.strategy, outputs[1:], **quiet)
     controls = [c.strategy, c.model_key, c.k_max, c.shape, c.tau]
@@ -300,6 +305,20 @@ def unchecked_slider(lo: float, hi: float, step: float, **kwargs: Any) -> gr.Sli
     slider = gr.Slider(lo, hi, step=step, **kwargs)
     slider.preprocess = lambda payload: payload  # type: ignore[method-assign]
     return slider
+
+
+def api_only(fn: Any) -> Any:
+    """``fn`` as an API endpoint that is no MCP tool: ``/chat``'s 15 outputs (HTML, Plotly JSON) are the page's,
+    far too much for an agent, which gets ``chat_summary`` instead. Gradio lists as tools only functions whose
+    ``_mcp_type`` is absent or ``"tool"``."""
+    import functools
+
+    @functools.wraps(fn)
+    def endpoint(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    endpoint._mcp_type = "api only"  # type: ignore[attr-defined]
+    return endpoint
 
 
 def history_input() -> gr.JSON:

@@ -231,10 +231,12 @@ def _load_hf(
         tok_kwargs = {"gguf_file": gguf_file} if gguf_file else {}
         tokenizer = AutoTokenizer.from_pretrained(where, **tok_kwargs)
         caching = cache is not None and gguf_file is not None and bnb is None
-        # The copy holds the dequantised weights at full precision, whatever this load asked for: a later
-        # float32 load must not read weights rounded to the first load's bf16.
-        model = AutoModelForCausalLM.from_pretrained(where, **({**kwargs, "dtype": torch.float32} if caching else kwargs))
-        if caching and not _write_gguf_cache(model, tokenizer, cache):
+        # A GGUF file dequantises to float32 (transformers warns about any other dtype), and the copy keeps that
+        # full precision whatever this load asked for: a later float32 load must not read bf16-rounded weights.
+        dequantise = gguf_file is not None and bnb is None
+        model = AutoModelForCausalLM.from_pretrained(where, **({**kwargs, "dtype": torch.float32} if dequantise
+                                                                else kwargs))
+        if dequantise and not (caching and _write_gguf_cache(model, tokenizer, cache)):
             model = model.to(dtype)
         elif caching:
             # Load the copy just written: transformers marks a GGUF-loaded model as quantized (its weights are

@@ -60,6 +60,8 @@ def test_second_turn_answers_the_same_conversation_on_both_sides(registry, lm):
     pane = render.pane_html(history_after(second), None, None, side="mtp", title="MTP")
     assert htmllib.escape(first.mtp.text, quote=True) in pane
     assert ("continues from the standard answer" in pane) == (first.mtp.text != first.standard.text)
+    # after the last answer nothing continues yet: no note there (turn 1's own pane)
+    assert "continues from the standard answer" not in render.pane_html(hist, None, None, side="mtp", title="MTP")
 
 
 @pytest.mark.integration
@@ -71,7 +73,7 @@ def test_stop_and_clear_end_a_turn_with_a_stated_phase(registry):
     assert last.standard.new_tokens + last.mtp.new_tokens == 3 and not last.standard_done
     assert history_after(last)[-1]["content"] == last.standard.text  # partial answers stay
     text, kind = headline.turn_status(last)
-    assert text.startswith("⏹ Turn 1: stopped") and kind == "info"
+    assert text.startswith("■ Turn 1: stopped") and kind == "info"  # a glyph every font has (not U+23F9)
     cleared = finish(prepare_turn(registry, TurnRequest("Tell me a story.", [], "ConfAdapt", 0.9, 4, 3, 64)),
                      lambda: "cleared")[1]
     assert cleared.phase == "cleared" and history_after(cleared) == []

@@ -464,8 +464,10 @@ def test_clear_that_arrives_while_the_turn_ends_is_not_undone_by_its_last_update
 
 
 def test_the_chat_is_an_mcp_tool_an_agent_can_read_and_call(tiny_served):
-    """``launch`` serves Gradio's MCP server: the chat is a tool whose description and arguments come from
-    :meth:`app.page.Page.chat_api`'s docstring, and an MCP client (the ``mcp`` package) calls it for a real turn."""
+    """``launch`` serves Gradio's MCP server: the chat is the tool ``chat_summary``, whose description and arguments
+    come from :meth:`app.page.Page.chat_summary`'s docstring, and an MCP client (the ``mcp`` package) calls it for a
+    real turn and gets one small JSON text (both answers, their counts, the speedup, the headline in words), not
+    the page's 15 outputs; ``/chat`` stays an API endpoint only."""
     import asyncio
     import json
     import urllib.request
@@ -476,8 +478,9 @@ def test_the_chat_is_an_mcp_tool_an_agent_can_read_and_call(tiny_served):
     demo, c = tiny_served
     url = c.src.rstrip("/") + "/"
     schema = {t["name"]: t for t in json.loads(urllib.request.urlopen(url + "gradio_api/mcp/schema", timeout=30).read())}
-    chat = schema["chat_api"]
-    assert chat["description"].startswith("Answer one chat message with standard decoding and an MTP strategy")
+    chat = schema["chat_summary"]
+    assert chat["description"].startswith("Answer one chat message twice, with standard decoding and with a multi")
+    assert ",," not in json.dumps(schema) and schema["chat_api"]["meta"]["mcp_type"] != "tool"
     props = chat["inputSchema"]["properties"]
     assert list(props) == ["message", "history", "strategy", "tau", "k_max", "k", "max_new_tokens", "shape",
                            "temperature", "top_p"]
@@ -489,10 +492,16 @@ def test_the_chat_is_an_mcp_tool_an_agent_can_read_and_call(tiny_served):
             async with ClientSession(read, write) as session:
                 await session.initialize()
                 tools = {t.name for t in (await session.list_tools()).tools}
-                out = await session.call_tool("chat_api", {"message": "hi", "history": [], "max_new_tokens": 6})
+                out = await session.call_tool("chat_summary", {"message": "hi", "history": [], "max_new_tokens": 6})
                 return tools, out
 
     tools, out = asyncio.run(call())
-    assert {"chat_api", "load_model_api"} <= tools and not out.isError
-    text = " ".join(getattr(part, "text", "") for part in out.content)
-    assert '"phase": "done"' in text or "'phase': 'done'" in text
+    assert {"chat_summary", "load_model_api"} <= tools and "chat_api" not in tools and not out.isError
+    assert len(out.content) == 1
+    text = out.content[0].text
+    assert len(text) < 3000  # a small result (the page's outputs were ~120,000 characters of HTML and Plotly)
+    result = json.loads(text)
+    assert result["phase"] == "done" and result["status"].startswith("Turn 1: done")
+    assert set(result["standard"]) == {"text", "new_tokens", "forward_passes", "effective_k", "tokens_per_second"}
+    assert result["mtp"]["strategy"].startswith("confadapt") and result["standard"]["new_tokens"] <= 6
+    assert isinstance(result["headline"], str) and "<" not in result["status"]
