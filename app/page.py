@@ -221,8 +221,9 @@ class Page:
             if final:
                 self._keep_extra(request.key, session, extra)
                 out = list(out)
-                out[TURN_OUTPUTS.index("tradeoff")] = self.tradeoff_fig(request.key, request.tau, request.k_max,
-                                                                        request.strategy, session)
+                # where the controls are now: the slider may have moved while the turn answered
+                choice, tau, k_max = self.sessions.controls(session, (request.strategy, request.tau, request.k_max))
+                out[TURN_OUTPUTS.index("tradeoff")] = self.tradeoff_fig(request.key, tau, k_max, choice, session)
                 out = tuple(out)
             reason = ticket.stop_reason()
             if reason is not None and not final:
@@ -255,6 +256,7 @@ class Page:
             return
         turn = TurnRequest(message, history, strategy, tau, k_max, k, max_new_tokens, model_key, shape,
                            temperature=temperature, top_p=top_p)
+        self.sessions.set_controls(session_of(request), strategy, tau, k_max)
         for out in self.turn_updates(turn, session_of(request)):
             yield (box_command(out[0], sent),) + tuple(out[1:])
 
@@ -339,6 +341,7 @@ class Page:
     # ------------------------------------------------------------ controls
     def on_strategy(self, choice, key, k_max_value, shape_choice, tau_value, request: gr.Request = None):
         """The strategy changed: which controls show, the help line and the trade-off figure."""
+        self.sessions.set_controls(session_of(request), choice, tau_value, k_max_value)
         return (gr.update(visible=choice == "ConfAdapt"), gr.update(visible=choice in ("ConfAdapt", "lossless")),
                 gr.update(visible=choice == "static k"), gr.update(visible=choice == "lossless"),
                 self.help_html(choice, key, k_max_value, shape_choice),
@@ -346,11 +349,13 @@ class Page:
 
     def on_controls(self, choice, key, k_max_value, shape_choice, tau_value, request: gr.Request = None):
         """k_max or the shape changed: the help line and the trade-off figure (cheap: no model call)."""
+        self.sessions.set_controls(session_of(request), choice, tau_value, k_max_value)
         return (self.help_html(choice, key, k_max_value, shape_choice),
                 self.tradeoff_fig(key, tau_value, k_max_value, choice, session_of(request)))
 
     def on_tau(self, choice, key, k_max_value, tau_value, request: gr.Request = None):
         """The tau slider moved: only the trade-off figure's marker is redrawn."""
+        self.sessions.set_controls(session_of(request), choice, tau_value, k_max_value)
         return self.tradeoff_fig(key, tau_value, k_max_value, choice, session_of(request))
 
     def use_fastest(self, key):

@@ -129,6 +129,7 @@ class SessionRuns:
         self._chars: dict[str, int] = {}  # each kept conversation's charge (_charge)
         self._kept_chars = 0  # their sum
         self._points: OrderedDict[str, list[AnswerPoint]] = OrderedDict()
+        self._controls: OrderedDict[str, tuple] = OrderedDict()
 
     def enter(self, session: str | None) -> RunTicket | None:
         """A ticket for a new message in ``session``: already started when the session is idle, else waiting
@@ -229,6 +230,22 @@ class SessionRuns:
         if model_key is not None:
             points = [p for p in points if tuple(p.model_key) == tuple(model_key)]
         return points
+
+    def set_controls(self, session: str | None, choice: Any, tau: Any, k_max: Any) -> None:
+        """Keep the session's latest strategy, tau and k_max controls as the page last reported them (the slider
+        may move while a turn answers; the turn's last trade-off figure must mark where it is now)."""
+        if session is None:
+            return
+        with self._lock:
+            self._controls[session] = (choice, tau, k_max)
+            self._controls.move_to_end(session)
+            while len(self._controls) > MAX_SESSIONS_KEPT:
+                self._controls.popitem(last=False)
+
+    def controls(self, session: str | None, default: tuple) -> tuple:
+        """``(choice, tau, k_max)`` last reported for ``session`` (:meth:`set_controls`), else ``default``."""
+        with self._lock:
+            return self._controls.get(session, default) if session is not None else default
 
     def _release(self, ticket: RunTicket) -> None:
         """End a run (recording its conversation first, in the same step) and start the next waiting message; or

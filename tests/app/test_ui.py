@@ -505,3 +505,25 @@ def test_the_chat_is_an_mcp_tool_an_agent_can_read_and_call(tiny_served):
     assert set(result["standard"]) == {"text", "new_tokens", "forward_passes", "effective_k", "tokens_per_second"}
     assert result["mtp"]["strategy"].startswith("confadapt") and result["standard"]["new_tokens"] <= 6
     assert isinstance(result["headline"], str) and "<" not in result["status"]
+
+
+def test_the_tradeoff_star_follows_the_slider_moved_while_a_turn_answers(tiny_registry):
+    """A turn sent at tau 0.9 ends after the slider moved to 0.5: its last trade-off figure marks tau 0.5 (where the
+    slider is), not the tau the turn started with."""
+    from app.page import Page
+    from app.sessions import SessionRuns
+    from model.engine.strategies import confadapt, standard
+    from model.evaluation.sweep import Sweep, SweepPoint
+
+    page = Page(tiny_registry, SessionRuns(), preload=False)
+    key = ("tiny", "none", "auto")
+    page.registry.get(*key)
+    page.facts.put_sweep(key, Sweep("tiny", None, 2, 8, "float32", (
+        SweepPoint(standard(), 1.0, 1.0, 1.0), SweepPoint(confadapt(0.5, 4), 2.5, 0.2, 1.5),
+        SweepPoint(confadapt(0.9, 4), 1.5, 0.8, 1.1))))
+    gen = page.chat("Tell me a story.", [], "ConfAdapt", 0.9, 4, 3, 12, "linear", key, request=_request("s"))
+    next(gen)  # the turn runs
+    page.on_tau("ConfAdapt", key, 4, 0.5, request=_request("s"))  # the user moves the slider meanwhile
+    last = dict(zip(ui.TURN_OUTPUTS, list(gen)[-1]))
+    names = [t.name for t in last["tradeoff"].data]
+    assert "tau 0.5 now" in names and "tau 0.9 now" not in names
