@@ -7,7 +7,7 @@ import html
 import math
 from typing import Any
 
-from model.engine.decoding import GenerationResult
+from model.engine.decoding import PREFILL_CHUNK, GenerationResult
 
 from .render import dtype_name, esc, num_text
 from .timing import MIN_PAIRS_FOR_INTERVAL, SideTiming, SpeedEstimate
@@ -67,6 +67,9 @@ def headline(state: TurnState) -> tuple[str, bool]:
         ``(sentence, warn)``, e.g. ``("ConfAdapt tau=0.90 k_max=4: 1.32× faster, identical answer.", False)``.
     """
     label, sp = state.strategy.label, state.speed
+    if sp is None and state.prefill is not None:
+        done, total = state.prefill
+        return f"{label} vs standard decoding: reading the prompt, {done:,} of {total:,} tokens (both sides)…", False
     if sp is None:
         return f"{label} vs standard decoding: waiting for both sides’ first tokens…", False
     speed = times_text(sp.ratio) + _against_the_sums(sp)
@@ -211,6 +214,12 @@ def _parting(state: TurnState, i: int) -> str:
 def turn_status(state: TurnState) -> tuple[str, str]:
     """(text, kind) of the status line for a turn's state."""
     n, label, src = state.turn.number, state.strategy.label, state.turn.lm.source
+    if state.phase == "running" and state.prefill is not None:
+        done, total = state.prefill
+        reused = state.turn.sides["standard"].reused if state.turn.sides else 0
+        kept = f"; {reused:,} tokens of the conversation reused from the last turn" if reused else ""
+        return (f"Turn {n}: reading the prompt in chunks of {PREFILL_CHUNK} tokens, {done:,} of {total:,} (both "
+                f"sides; Stop acts between chunks){kept}…", "info")
     if state.phase == "running":
         return f"Turn {n}: running standard vs {label} on {src}…", "info"
     if state.phase == "done":

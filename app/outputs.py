@@ -127,8 +127,9 @@ def turn_outputs(state: TurnState, *, figures_due: bool, first: bool = False) ->
 
 def notice_html(text: str) -> str:
     """An in-page notice under the message box (never a toast over the controls); ``data-at`` (the time)
-    makes a repeated notice a new one."""
-    return f'<div class="mtp-notice" role="status" data-at="{time.time():.3f}">⏳ {render.esc(text)}</div>'
+    makes a repeated notice a new one. Its mark, U+25F4, is in DejaVu (an hourglass, U+23F3, is not: an empty box
+    in a Chromium that has only DejaVu's fonts)."""
+    return f'<div class="mtp-notice" role="status" data-at="{time.time():.3f}">◴ {render.esc(text)}</div>'
 
 
 def refused_outputs(text: str) -> tuple:

@@ -35,6 +35,7 @@ from .outputs import (
     turn_outputs,
 )
 from .passes import SHARED, PassScheduler
+from .prefixes import PrefixStore
 from .quality import answer_point
 from .registry import ModelRegistry
 from .requests import (STRATEGY_CHOICES, TurnRequest, app_k_max, check_message, check_page_controls, k_max_limit,
@@ -74,6 +75,7 @@ class Page:
         self.passes = passes or SHARED
         self.facts = self.registry.facts
         self.zero_gpu = zero_gpu()
+        self.prefixes = PrefixStore()  # each conversation's KV caches between turns (not across ZeroGPU workers)
         self.examples = load_examples()
         self.default_key = ModelRegistry.key(DEFAULT_SOURCE, "none")
         self.default_k_max = app_k_max()
@@ -152,7 +154,7 @@ class Page:
         state only. On a ZeroGPU Space this runs in a GPU worker (arguments and yields pickled); Stop / Clear reach
         it through the run's stop flag file, polled before every forward pass."""
         try:
-            turn = prepare_turn(self.registry, request)
+            turn = prepare_turn(self.registry, request, None if self.zero_gpu else self.prefixes)
         except RequestError as e:
             yield error_outputs(str(e)), True, None, {}
             return
@@ -177,6 +179,9 @@ class Page:
             if state.final:
                 prof = self.facts.profile(turn.model_key)
                 extra = {"point": answer_point(state), "profile": prof.to_dict() if prof else None}
+                if state.phase in ("done", "stopped") and not self.zero_gpu:  # the next turn starts from here
+                    self.prefixes.put(request.session, turn.model_key,
+                                      {name: (d.cache, d.cached_ids) for name, d in turn.sides.items()})
             yield out, state.final, history_after(state), extra
 
     def turn_updates(self, request: TurnRequest, session: str | None) -> Iterator[tuple]:
@@ -210,7 +215,8 @@ class Page:
                 return
             conversation = self.sessions.conversation(session, sent)
             ticket.turn_number = sum(1 for m in conversation if m["role"] == "user") + 1
-            request = request.with_(history=conversation, run_id=ticket.run_id, model_key=self.key_of(request.key))
+            request = request.with_(history=conversation, run_id=ticket.run_id, model_key=self.key_of(request.key),
+                                    session=session)
             yield from self._run_ticket(request, ticket, session)
 
     def _run_ticket(self, request: TurnRequest, ticket: Any, session: str | None) -> Iterator[tuple]:
@@ -326,9 +332,10 @@ class Page:
                           allow_nan=False)
 
     def stop(self, request: gr.Request = None):
-        """Stop: the session's running answer ends before its next pass (a waiting message then starts)."""
+        """Stop: the session's running answer ends before its next pass or prompt chunk (a waiting message then
+        starts). Acknowledged at once in the notice; the run then says it stopped."""
         if self.sessions.request_stop(session_of(request), "stopped"):
-            return gr.skip()  # the run ends before its next pass and says so itself
+            return notice_html("Stopping: the answer ends after the pass in progress.")
         return notice_html("Nothing is running.")
 
     def clear(self, strategy_choice, request: gr.Request = None):
@@ -336,6 +343,7 @@ class Page:
         session = session_of(request)
         self.sessions.request_stop(session, "cleared")
         self.sessions.remember(session, [])
+        self.prefixes.drop(session)
         return cleared_outputs(strategy_choice)[1:]
 
     # ------------------------------------------------------------ controls

@@ -14,6 +14,9 @@ pass is charged the whole pass (what its user waited for); its record says how m
 carried (``shared_sequences``, ``shared_rows``). The two sides of one turn never share a pass, so each side's
 time stays its own.
 
+A long prompt is fed in chunks first (:meth:`PassScheduler.run_prefill`, each a pass of its own), so that a turn
+polling Stop between them waits one chunk at most, never the whole prefill.
+
 After a pass, the loop waits a moment (:data:`GATHER_S`) for the sessions that were in it to hand in their next
 pass, so that sessions generating at once keep riding the same passes instead of alternating.
 """
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from model.engine.batch import MAX_ROWS, MAX_SESSIONS, BatchRunner
-from model.engine.decoding import Decoder, PassRecord
+from model.engine.decoding import PREFILL_CHUNK, Decoder, PassRecord
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,8 @@ class _Job:
     done: threading.Event = field(default_factory=threading.Event)
     record: PassRecord | None = None
     error: BaseException | None = None
+    prefill: int = 0  # > 0: a chunk of the prompt of at most this many tokens (Decoder.prefill_chunk), run alone
+    left: int = 0  # a prefill chunk's result: prompt tokens still to feed
 
 
 class PassScheduler:
@@ -101,6 +106,11 @@ class PassScheduler:
                 self._last.discard(token)
                 self._cond.notify_all()
 
+    def run_prefill(self, decoder: Decoder, client: object = None, chunk: int = PREFILL_CHUNK) -> int:
+        """Feed the next chunk of ``decoder``'s prompt (:meth:`~model.engine.decoding.Decoder.prefill_chunk`) in a
+        pass of its own; returns the prompt tokens still to feed."""
+        return self._submit(_Job(decoder, client, prefill=chunk)).left
+
     def run_pass(self, decoder: Decoder, client: object = None) -> PassRecord:
         """Run ``decoder``'s next forward pass (alone or shared with other sessions' decoders) and return its
         record.
@@ -109,8 +119,13 @@ class PassScheduler:
             Whatever the pass raised (:class:`~model.errors.NonFiniteLogitsError` for this decoder only; another
             exception of a shared pass reaches every decoder in it).
         """
+        record = self._submit(_Job(decoder, client)).record
+        assert record is not None
+        return record
+
+    def _submit(self, job: _Job) -> _Job:
+        """Hand ``job`` to the loop and wait for it; raises what its pass raised."""
         self._check_process()
-        job = _Job(decoder, client)
         with self._cond:
             self._queue.append(job)
             if self._thread is None or not self._thread.is_alive():
@@ -120,8 +135,7 @@ class PassScheduler:
         job.done.wait()
         if job.error is not None:
             raise job.error
-        assert job.record is not None
-        return job.record
+        return job
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
@@ -163,6 +177,12 @@ class PassScheduler:
         for job in jobs:
             groups.setdefault(id(job.decoder.lm.model), []).append(job)
         for group in groups.values():
+            for job in [j for j in group if j.prefill]:  # prompt chunks run alone: they propose nothing
+                group.remove(job)
+                self._run_alone(job)
+                ran.append(job)
+            if not group:
+                continue
             runner = self._batch_runner(group) if self.share and len(group) > 1 else None
             if runner is None:
                 for job in group:
@@ -191,6 +211,9 @@ class PassScheduler:
     @staticmethod
     def _run_alone(job: _Job) -> None:
         try:
+            if job.prefill:
+                job.left = job.decoder.prefill_chunk(job.prefill)
+                return
             job.record = job.decoder.run_pass()
         except BaseException as e:  # noqa: BLE001 - the turn reports it
             job.error = e

@@ -97,6 +97,8 @@ class TurnRequest:
         temperature: 0 (greedy, the default) to :data:`APP_MAX_TEMPERATURE`; both sides sample alike above 0.
         top_p: nucleus sampling's share, (0, 1]; 1 = off.
         seed: the turn's random seed (both sides draw from it); None: a fresh one, reported in the result.
+        session: the page session the turn belongs to (its KV caches are kept for the next turn:
+            :mod:`app.prefixes`); None for API calls, which are independent.
     """
 
     message: Any = ""
@@ -113,6 +115,7 @@ class TurnRequest:
     temperature: Any = 0.0
     top_p: Any = 1.0
     seed: Any = None
+    session: str | None = None
 
     def with_(self, **changes: Any) -> "TurnRequest":
         """A copy with ``changes`` (the value itself never changes)."""

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from model.engine.decoding import Decoder, GenerationResult
+from model.engine.decoding import PREFILL_CHUNK, Decoder, GenerationResult
 from model.engine.loaded_model import LoadedModel
 from model.engine.loading import DEFAULT_SOURCE
 from model.engine.sampling import GREEDY, Sampling
@@ -43,6 +43,7 @@ from .requests import (
 from .timing import SpeedEstimate, estimate_speedup
 
 if TYPE_CHECKING:
+    from .prefixes import PrefixStore
     from .registry import ModelRegistry
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ def lossless_strategy(strategy: Strategy, shape: str, registry: "ModelRegistry",
         raise RequestError(str(e)) from None
 
 
-def prepare_turn(registry: "ModelRegistry", request: TurnRequest) -> Turn:
+def prepare_turn(registry: "ModelRegistry", request: TurnRequest, prefixes: "PrefixStore | None" = None) -> Turn:
     """Check one request and build its :class:`Turn` (loading the model if needed).
 
     Args:
@@ -116,6 +117,8 @@ def prepare_turn(registry: "ModelRegistry", request: TurnRequest) -> Turn:
             (:func:`app.requests.app_k_max`); its lossless ``shape``: ``fastest here`` runs the shape chosen for
             this device with k_max at most the k_max given (:func:`lossless_strategy`); ``linear`` (default),
             ``full tree`` or prefixes such as ``0/1/3`` run that layout at the k_max given.
+        prefixes: the sessions' KV caches (:class:`app.prefixes.PrefixStore`): both sides start from the longest
+            prefix of the prompt that the session's last turn left in their caches.
 
     Raises:
         RequestError: with a message for the page (bad input, model not loadable, prompt too long
@@ -139,9 +142,10 @@ def prepare_turn(registry: "ModelRegistry", request: TurnRequest) -> Turn:
         what = "This conversation" if hist else "The message"
         raise RequestError(f"{what} is {len(ids):,} tokens long; this demo prefills at most "
                            f"{MAX_PROMPT_TOKENS:,} tokens. Shorten the message or press Clear to start a new chat.")
+    reuse = prefixes.take(request.session, key, ids, ("standard", "mtp")) if prefixes is not None else {}
     try:  # the engine checks the context budget (the MTP side looks further ahead than standard)
-        sides = {"standard": Decoder(lm, ids, standard(), n_new, sampling),
-                 "mtp": Decoder(lm, ids, strat, n_new, sampling)}
+        sides = {"standard": Decoder(lm, ids, standard(), n_new, sampling, prefix=reuse.get("standard")),
+                 "mtp": Decoder(lm, ids, strat, n_new, sampling, prefix=reuse.get("mtp"))}
     except ValueError as e:
         raise RequestError(str(e)) from None
     number = sum(1 for m in hist if m["role"] == "user") + 1
@@ -169,6 +173,8 @@ class TurnState:
         last: which side ran the latest pass (``"standard"`` / ``"mtp"``), None before any.
         quality: each answer's :class:`Quality`, on the final state of a turn that ended done or
             stopped (None before, and after Clear or an error).
+        prefill: while a long prompt is fed in chunks before the first pass: ``(tokens fed, tokens to feed)``
+            over both sides; None otherwise.
     """
 
     turn: Turn
@@ -181,6 +187,7 @@ class TurnState:
     wall_seconds: float = 0.0
     last: str | None = None
     quality: Quality | None = None
+    prefill: tuple[int, int] | None = None
     _speed: Any = field(default=None, repr=False)
 
     @property
@@ -231,8 +238,12 @@ def run_turn(
             turn with that phase.
         passes: where the passes run (the page's :data:`app.passes.SHARED` by default).
 
+    A prompt longer than one chunk (:data:`~model.engine.decoding.PREFILL_CHUNK` tokens) is fed first, chunk by
+    chunk, the sides alternating (:meth:`app.passes.PassScheduler.run_prefill`): ``should_stop`` is polled between
+    chunks, so Stop waits one chunk at most; the chunks' time counts in each side's first pass (its prefill).
+
     Yields:
-        A :class:`TurnState` before the first pass and after every pass (``phase == "running"``),
+        A :class:`TurnState` before the first pass and after every pass or prompt chunk (``phase == "running"``),
         then one final state
         (``done``, ``stopped``, ``cleared`` or ``error``). Engine errors (context budget, NaN
         logits, anything else) become ``phase == "error"`` with a message; nothing is raised. A turn
@@ -243,14 +254,31 @@ def run_turn(
     passes = passes if passes is not None else SHARED
     sides: dict[str, Decoder] = turn.sides
 
+    to_prefill = sum(d.prefill_left for d in sides.values())
+
     def state(phase: str = "running", error: str | None = None, last: str | None = None) -> TurnState:
         std, mtp = sides["standard"].result(), sides["mtp"].result()
         quality = score_answers(turn, std, mtp, passes.lock) if phase in ("done", "stopped") else None
+        left = sum(d.prefill_left for d in sides.values())
         return TurnState(turn, std, mtp, sides["standard"].done, sides["mtp"].done, phase, error,
-                         time.perf_counter() - t0, last, quality)
+                         time.perf_counter() - t0, last, quality, (to_prefill - left, to_prefill) if left else None)
 
     yield state()  # the turn has started: no pass yet
     with passes.client() as client:
+        # A long prompt first, in chunks, the sides alternating: Stop acts between chunks.
+        while any(d.prefill_left > PREFILL_CHUNK for d in sides.values()):
+            for name, d in sides.items():
+                if d.prefill_left <= PREFILL_CHUNK:
+                    continue
+                reason = should_stop()
+                if reason:
+                    yield state(reason if reason in PHASES else "stopped")
+                    return
+                error = _run_step(lambda: passes.run_prefill(d, client))
+                if error is not None:
+                    yield state("error", error, name)
+                    return
+                yield state(last=name)
         pair = 0
         while not all(d.done for d in sides.values()):
             for name in (("standard", "mtp") if pair % 2 == 0 else ("mtp", "standard")):
@@ -271,8 +299,13 @@ def run_turn(
 
 def _run_pass(passes: PassScheduler, decoder: Decoder, client: object) -> str | None:
     """One pass of ``decoder``; the page's message if it failed, else None."""
+    return _run_step(lambda: passes.run_pass(decoder, client))
+
+
+def _run_step(step: Callable[[], object]) -> str | None:
+    """Run one pass or prefill chunk; the page's message if it failed, else None."""
     try:
-        passes.run_pass(decoder, client)
+        step()
     except NonFiniteLogitsError as e:
         return str(e)
     except Exception as e:  # noqa: BLE001 - the page shows a message and keeps serving

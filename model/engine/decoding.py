@@ -48,8 +48,9 @@ class PassRecord:
 
     Attributes:
         index: 0-based number of the forward pass (pass 0 is the prefill).
-        fed_real: pending real tokens fed (the prompt on pass 0, then the previous pass's last
-            token(s) not yet in the KV cache).
+        fed_real: pending real tokens fed (the prompt on pass 0, its chunks fed before included, less any
+            prefix reused from an earlier generation's KV cache; then the previous pass's last token(s) not yet in
+            the KV cache).
         fed_drafts: draft tokens fed as real tokens (verification only; else 0).
         fed_masks: mask tokens fed (``k_max - 1``; 0 for standard decoding).
         proposals: ``k_max`` greedy token ids: at the last real token fed, then one per mask (when
@@ -519,6 +520,11 @@ def sync(device: torch.device) -> None:
 
 
 # --------------------------------------------------------------------------- decoder
+#: Prompt tokens per chunk of a chunked prefill (:meth:`Decoder.prefill_chunk`): SmolLM2-135M in bf16 on one CPU
+#: thread computes one in ~0.3 s, so Stop waits at most about that long.
+PREFILL_CHUNK = 256
+
+
 class Decoder:
     """Iterator over the forward passes of one generation (batch size 1).
 
@@ -536,6 +542,10 @@ class Decoder:
         max_new_tokens: exact upper bound on generated tokens.
         sampling: temperature, top-k, top-p, seed (:mod:`model.engine.sampling`); None or temperature 0:
             greedy decoding.
+        prefix: ``(cache, ids)``: a KV cache of this model holding ``ids`` (an earlier generation's
+            :attr:`cached_ids`, e.g. the previous turn of a chat); its longest common prefix with the prompt is
+            reused instead of computed again (prefix caching, as serving engines do). The cache becomes this
+            decoder's (cropped).
 
     Raises (at construction):
         ValueError: empty prompt, bad max_new_tokens.
@@ -543,7 +553,7 @@ class Decoder:
     """
 
     def __init__(self, lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy, max_new_tokens: int = 128,
-                 sampling: Sampling | None = None):
+                 sampling: Sampling | None = None, prefix: tuple[Any, Sequence[int]] | None = None):
         if len(prompt_ids) == 0:
             raise ValueError("The prompt is empty: nothing to condition on.")
         self.lm = lm
@@ -563,6 +573,66 @@ class Decoder:
         self.done = False
         self._text = ""
         self._stop = set(lm.stop_token_ids)
+        self._prefill_seconds = 0.0  # prompt chunks fed before the first pass (prefill_chunk), and their tokens
+        self._prefilled = 0
+        self._reused = 0
+        if prefix is not None:
+            self._reuse(*prefix)
+
+    def _reuse(self, cache: Any, cache_ids: Sequence[int]) -> None:
+        """Start from a KV cache that holds ``cache_ids`` (a previous generation's :attr:`cached_ids` on the same
+        model): it is cropped to the longest common prefix of ``cache_ids`` and the prompt (at most all but the
+        prompt's last token, which the first pass feeds) and the rest of the prompt stays pending. A cache of
+        another kind or length, or with nothing in common, is not used."""
+        fresh = self.cache
+        if type(cache) is not type(fresh) or getattr(cache, "engine", None) is not getattr(fresh, "engine", None):
+            return
+        held = cache.get_seq_length()
+        if held != len(cache_ids):
+            return
+        n, limit = 0, min(len(cache_ids), len(self.prompt_ids) - 1)
+        while n < limit and int(cache_ids[n]) == self.prompt_ids[n]:
+            n += 1
+        if n == 0:
+            return
+        if held > n:
+            cache.crop(-(held - n))
+        self.cache, self.cached_ids, self.pending = cache, self.prompt_ids[:n], self.prompt_ids[n:]
+        self._reused = n
+
+    @property
+    def reused(self) -> int:
+        """Prompt tokens whose KV entries came from a previous generation's cache (``prefix``), not computed."""
+        return self._reused
+
+    @property
+    def prefill_left(self) -> int:
+        """Prompt tokens still to feed before the first pass (its last token always goes with that pass)."""
+        return 0 if self.passes else max(0, len(self.pending) - 1)
+
+    @torch.inference_mode()
+    def prefill_chunk(self, max_tokens: int = PREFILL_CHUNK) -> int:
+        """Feed up to ``max_tokens`` of the prompt into the KV cache without proposing (chunked prefill): a caller
+        that polls between chunks (Stop) waits at most one chunk. The chunks' seconds and tokens count in the
+        first pass's record (it is the prefill).
+
+        Returns:
+            The prompt tokens still to feed before the first pass (:attr:`prefill_left`).
+        """
+        n = min(int(max_tokens), self.prefill_left)
+        if n <= 0:
+            return 0
+        lm, chunk = self.lm, self.pending[:n]
+        sync(lm.device)
+        t0 = time.perf_counter()
+        lm.forward(torch.tensor([chunk], dtype=torch.long, device=lm.device), self.cache, num_masks=0,
+                   logits_to_keep=1)
+        sync(lm.device)
+        self._prefill_seconds += time.perf_counter() - t0
+        self._prefilled += n
+        self.cached_ids.extend(chunk)
+        self.pending = self.pending[n:]
+        return self.prefill_left
 
     def __iter__(self) -> Iterator[PassRecord]:
         while not self.done:
@@ -622,6 +692,8 @@ class Decoder:
         in_cache = commit(self.cache, len(layout.tokens), len(self.pending), kept, s.verifies)
         sync(lm.device)
         seconds = time.perf_counter() - t0
+        if not self.passes:  # the prefill's chunks (prefill_chunk) belong to the first pass
+            seconds += self._prefill_seconds
 
         self.cached_ids.extend(self.pending + in_cache)
         self.generated.extend(kept)
@@ -645,7 +717,8 @@ class Decoder:
         proposals = [greedy[d]] + (blocks[last] if last is not None else [])
         confidences = [conf[d]] + (block_conf[last] if last is not None else [])
         return PassRecord(
-            index=len(self.passes), shared_rows=len(layout.tokens), fed_real=layout.pending,
+            index=len(self.passes), shared_rows=len(layout.tokens),
+            fed_real=layout.pending + (self._prefilled if not self.passes else 0),
             fed_masks=layout.num_masks, proposals=proposals,
             proposal_texts=[decode([t]) for t in proposals], confidences=confidences, kept=kept,
             text=self._text_delta(), accepted=len(acc.kept), seconds=seconds, stopped=stopped, block_end=reason,

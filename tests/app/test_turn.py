@@ -290,3 +290,49 @@ def test_stop_and_clear_reach_a_generation_in_another_process(base_tokenizer):
         if worker.is_alive():
             worker.kill()
     assert worker.exitcode == 0
+
+
+# ---------------------------------------------------------------------- long prompts
+LONG = " ".join(f"Fact {i}: the sky over city number {i} was clear and blue that morning." for i in range(60))
+
+
+def test_stop_during_a_long_prefill_acts_within_one_chunk(tiny_registry):
+    """A ~1,100-token message is read in chunks of PREFILL_CHUNK tokens, the sides alternating; the states say how
+    far the prompt is read; Stop, asked after the second chunk, ends the turn before a third (within one chunk)."""
+    from app.turn import run_turn
+    from model.engine.decoding import PREFILL_CHUNK
+
+    turn = prepare_turn(tiny_registry, TurnRequest(LONG, [], "ConfAdapt", 0.9, 4, 3, 8, ("tiny", "none", "auto")))
+    assert len(turn.prompt_ids) > 4 * PREFILL_CHUNK
+    stop_after, chunks, states = 2, [], []
+    for state in run_turn(turn, lambda: "stopped" if len(chunks) >= stop_after else None):
+        states.append(state)
+        if state.prefill is not None and state.last is not None:
+            chunks.append(state.prefill)
+    assert states[-1].phase == "stopped" and len(chunks) == stop_after
+    assert chunks[0] == (PREFILL_CHUNK, 2 * (len(turn.prompt_ids) - 1))  # both sides' prompts, minus the last
+    assert chunks[1][0] == 2 * PREFILL_CHUNK and [s.last for s in states[1:3]] == ["standard", "mtp"]
+    assert "reading the prompt" in headline.headline(states[2])[0] and "of" in headline.turn_status(states[2])[0]
+    assert not states[-1].standard.passes and not states[-1].mtp.passes  # stopped inside the prefill
+
+
+def test_a_follow_up_after_a_long_turn_computes_its_own_tokens(tiny_registry):
+    """After a turn on a long prompt, the next turn starts both sides from the caches that turn left: each side
+    computes only the conversation's new tokens (the answer and the new message), and answers exactly what a turn
+    without the caches answers."""
+    from app.prefixes import PrefixStore
+
+    store, key = PrefixStore(), ("tiny", "none", "auto")
+    first = prepare_turn(tiny_registry, TurnRequest(LONG, [], "ConfAdapt", 0.9, 4, 3, 8, key, session="s"), store)
+    last = finish(first)[1]
+    store.put("s", key, {n: (d.cache, d.cached_ids) for n, d in first.sides.items()})
+    follow = TurnRequest("And then?", history_after(last), "ConfAdapt", 0.9, 4, 3, 8, key, session="s")
+    second = prepare_turn(tiny_registry, follow, store)
+    reused = second.sides["standard"].reused
+    assert reused == second.sides["mtp"].reused >= len(first.prompt_ids)  # both sides alike
+    done = finish(second)[1]
+    new = len(second.prompt_ids) - reused
+    assert done.standard.passes[0].fed_real == new == done.mtp.passes[0].fed_real < 60
+    fresh = finish(prepare_turn(tiny_registry, follow.with_(session=None)))[1]
+    assert (done.standard.token_ids, done.mtp.token_ids) == (fresh.standard.token_ids, fresh.mtp.token_ids)
+    assert store.tokens() == 0  # taken: the turn's decoders own the caches now

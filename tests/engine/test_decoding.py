@@ -422,3 +422,51 @@ def test_verify_equals_standard_on_the_default_model_float32(smollm2_adapter, pr
     assert dec.result().forward_passes <= ref.forward_passes
     with lm.base_model():
         assert_cache_is_fresh_prefill(lm, dec, 1e-3)
+
+
+# ----------------------------------------------------------------------------- chunked prefill, prefix reuse
+@pytest.mark.parametrize("strategy", [standard(), confadapt(0.5, 4), verify(3, "full")], ids=lambda s: s.spec)
+def test_chunked_prefill_gives_the_same_generation(tiny_lm64, strategy):
+    """A prompt fed in chunks (Stop can act between them) then the first pass: the same tokens and proposals as
+    one prefill pass; the first record counts the chunks' tokens and seconds; the cache invariant holds."""
+    lm = tiny_lm64
+    ids = lm.prompt_ids("Tell me a long story about a dragon who learns to bake bread in a small village.")
+    whole = run(lm, ids, strategy, 12)
+    dec = Decoder(lm, ids, strategy, 12)
+    left = [dec.prefill_chunk(5) for _ in range(3)]
+    assert left == [len(ids) - 1 - 5, len(ids) - 1 - 10, len(ids) - 1 - 15]
+    assert dec.cache.get_seq_length() == len(dec.cached_ids) == 15 and dec.cached_ids + dec.pending == ids
+    while dec.prefill_left:
+        dec.prefill_chunk(7)
+    assert dec.pending == ids[-1:] and dec.prefill_chunk() == 0  # the last prompt token goes with the first pass
+    chunked = [r for r in dec]
+    assert dec.result().token_ids == whole.token_ids
+    assert [r.proposals for r in chunked] == [r.proposals for r in whole.passes]
+    assert chunked[0].fed_real == len(ids) == whole.passes[0].fed_real
+    assert chunked[0].seconds >= dec._prefill_seconds > 0
+
+
+@pytest.mark.parametrize("strategy", [standard(), confadapt(0.5, 4), verify(3)], ids=lambda s: s.spec)
+def test_a_follow_up_turn_reuses_the_conversations_kv_cache(tiny_lm64, strategy):
+    """Turn 2 of a chat starts from turn 1's KV cache: only the tokens after the common prefix are computed, the
+    answer equals a fresh decoder's, and the cache still holds exactly the fed tokens."""
+    lm = tiny_lm64
+    turn1 = [{"role": "user", "content": "Tell me a long story about a dragon who learns to bake bread."}]
+    first = Decoder(lm, lm.prompt_ids(turn1), standard(), 10)
+    for _ in first:
+        pass
+    answer = lm.tokenizer.decode(first.generated, skip_special_tokens=True)
+    turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
+    ids2 = lm.prompt_ids(turn2)
+    fresh = run(lm, ids2, strategy, 10)
+    dec = Decoder(lm, ids2, strategy, 10, prefix=(first.cache, first.cached_ids))
+    assert dec.reused >= len(lm.prompt_ids(turn1)) and dec.cached_ids == ids2[:dec.reused]
+    assert dec.cache.get_seq_length() == dec.reused and dec.cache is first.cache
+    recs = list(dec)
+    assert dec.result().token_ids == fresh.token_ids
+    assert recs[0].fed_real == len(ids2) - dec.reused  # only what the cache lacked was computed
+    # a cache of nothing in common, or holding other tokens than it says, is not used
+    other = Decoder(lm, lm.prompt_ids("Hello"), standard(), 2, prefix=(lm.new_cache(), []))
+    assert other.reused == 0
+    stale = Decoder(lm, ids2, standard(), 2, prefix=(dec.cache, ids2[:3]))
+    assert stale.reused == 0 and stale.cache is not dec.cache
