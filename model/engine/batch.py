@@ -142,6 +142,8 @@ class BatchRunner:
                 result.errors[d] = self.errors[d] = e
         result.rows = sum(len(layout.tokens) for _, layout in chosen)
         result.seconds = time.perf_counter() - t0
+        for d, layout in chosen:  # what verify:auto prices its next pass's rows against
+            d.other_rows = result.rows - len(layout.tokens)
         for rec in result.records.values():  # every member waited for the whole shared pass
             rec.seconds, rec.shared_sequences, rec.shared_rows = result.seconds, len(chosen), result.rows
         self.decoders = [d for d in self.decoders if not d.done]

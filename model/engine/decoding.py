@@ -546,6 +546,8 @@ class Decoder:
             :attr:`cached_ids`, e.g. the previous turn of a chat); its longest common prefix with the prompt is
             reused instead of computed again (prefix caching, as serving engines do). The cache becomes this
             decoder's (cropped).
+        width: for ``verify:auto``, the :class:`~model.engine.width.AutoWidth` that chooses each pass's k_max and
+            layout (default: :func:`~model.engine.width.auto_width` of the model, measured on first use).
 
     Raises (at construction):
         ValueError: empty prompt, bad max_new_tokens.
@@ -553,7 +555,8 @@ class Decoder:
     """
 
     def __init__(self, lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy, max_new_tokens: int = 128,
-                 sampling: Sampling | None = None, prefix: tuple[Any, Sequence[int]] | None = None):
+                 sampling: Sampling | None = None, prefix: tuple[Any, Sequence[int]] | None = None,
+                 width: Any = None):
         if len(prompt_ids) == 0:
             raise ValueError("The prompt is empty: nothing to condition on.")
         self.lm = lm
@@ -578,6 +581,10 @@ class Decoder:
         self._reused = 0
         if prefix is not None:
             self._reuse(*prefix)
+        #: verify:auto: the width policy (:class:`~model.engine.width.AutoWidth`; measured for the model when not
+        #: given) and the rows other sequences put in this decoder's last shared pass (set by a batch runner).
+        self.width = width
+        self.other_rows = 0
 
     def _reuse(self, cache: Any, cache_ids: Sequence[int]) -> None:
         """Start from a KV cache that holds ``cache_ids`` (a previous generation's :attr:`cached_ids` on the same
@@ -661,7 +668,22 @@ class Decoder:
         """What the next forward pass feeds (:class:`PassLayout`): the pending tokens, the drafts and the mask
         blocks. A batch runner (:mod:`model.engine.batch`) feeds it with other sequences' rows, then calls
         :meth:`finish_pass` with this sequence's logits."""
-        return lay_out(self.pending, self.drafts, self.strategy, self.lm.mask_token_id)
+        strategy = self.strategy
+        if getattr(strategy, "auto", False):
+            strategy = self._auto_layout(strategy)
+        return lay_out(self.pending, self.drafts[:strategy.num_masks], strategy, self.lm.mask_token_id)
+
+    def _auto_layout(self, strategy: Any) -> Strategy:
+        """``verify:auto``: this pass's fixed layout, from the width policy, the rows beside it and the acceptance
+        this generation has seen so far (lossless whatever it is)."""
+        if self.width is None:
+            from .width import auto_width
+
+            self.width = auto_width(self.lm)
+        with_drafts = sum(1 for p in self.passes if p.counted_drafts[0])
+        acc = self.width.acceptance_for(acceptance_by_position(self.passes), with_drafts)
+        k, blocks = self.width.choose(strategy.k_max, self.other_rows, acc)
+        return strategy.at(k, blocks)
 
     @torch.inference_mode()
     def finish_pass(self, layout: PassLayout, logits: torch.Tensor, t0: float) -> PassRecord:
@@ -671,7 +693,8 @@ class Decoder:
         Raises:
             NonFiniteLogitsError: the pass produced NaN / infinite logits (the decoder stops).
         """
-        lm, s, drafts = self.lm, self.strategy, self.drafts
+        lm, s, drafts = self.lm, self.strategy, self.drafts[:layout.drafts]  # verify:auto may feed fewer
+        draft_probs = None if self.draft_probs is None else self.draft_probs[:layout.drafts]
         try:
             if self.sampler is None:
                 greedy, conf = propose(logits, lm.mask_token_id)
@@ -683,7 +706,7 @@ class Decoder:
         if self.sampler is None:
             acc = accept(lm, s, self.generated, layout, greedy, conf, drafts)
         else:
-            greedy, conf, acc = accept_sampled(lm, s, self.generated, layout, probs, drafts, self.draft_probs,
+            greedy, conf, acc = accept_sampled(lm, s, self.generated, layout, probs, drafts, draft_probs,
                                                self.sampler)
         kept, reason, stopped = trim(acc.kept, acc.reason, self.max_new_tokens - len(self.generated), self._stop)
         cut = cut_at_stop_string(lm, self.generated, kept)

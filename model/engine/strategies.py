@@ -214,8 +214,11 @@ class Verify(Strategy):
     verifies: ClassVar[bool] = True
     k_max: int = DEFAULT_K_MAX
     blocks: tuple[int, ...] | None = None
+    auto: bool = False
 
     def __post_init__(self) -> None:
+        if self.auto and self.blocks is not None:
+            raise ValueError("verify:auto chooses its layout pass by pass: give no mask blocks with it.")
         if self.blocks is not None:
             if not self.blocks or any(not 0 <= a < self.k_max for a in self.blocks):
                 raise ValueError(f"Mask blocks sit after 0 to {self.k_max - 1} drafts (k_max - 1), got "
@@ -228,6 +231,8 @@ class Verify(Strategy):
     def lookahead(self) -> int:
         """KV-cache entries a pass may hold past the tokens already emitted: ``k_max - 1`` drafts and a
         block of ``k_max - 1`` masks per block (a windowed model must hold them all within its window)."""
+        if self.auto:  # any layout up to a block after every prefix
+            return self.num_masks * (1 + self.k_max)
         return self.num_masks * (1 + (1 if self.blocks is None else len(self.blocks)))
 
     def mask_blocks(self, drafts: int) -> tuple[int, ...]:
@@ -242,9 +247,15 @@ class Verify(Strategy):
     def accept(self, confidences: Sequence[float]) -> tuple[int, str]:  # noqa: D102
         return 1, "k_max"  # the block of a verify pass is decided by the drafts, not by confidence
 
+    def at(self, k_max: int, blocks: tuple[int, ...] | None) -> "Verify":
+        """The fixed layout this strategy runs for one pass (``verify:auto`` chooses it pass by pass)."""
+        return Verify(k_max=k_max, blocks=blocks)
+
     @property
     def layout(self) -> str:
-        """``linear``, ``full`` or the prefixes followed by a block, e.g. ``0/1/3``."""
+        """``linear``, ``full``, ``auto`` or the prefixes followed by a block, e.g. ``0/1/3``."""
+        if self.auto:
+            return "auto"
         if self.blocks is None:
             return "linear"
         if self.blocks == tuple(range(self.k_max)):
@@ -253,13 +264,15 @@ class Verify(Strategy):
 
     @property
     def label(self) -> str:  # noqa: D102
+        if self.auto:
+            return f"lossless verify, k_max ≤ {self.k_max} and layout chosen per pass"
         tail = "" if self.blocks is None else (", full tree" if self.layout == "full" else
                                                f", mask blocks after {self.layout} drafts")
         return f"lossless verify k_max={self.k_max}{tail}"
 
     @property
     def spec(self) -> str:  # noqa: D102
-        return f"verify:{self.k_max}" if self.blocks is None else f"verify:{self.k_max}:{self.layout}"
+        return f"verify:{self.k_max}" if self.blocks is None and not self.auto else f"verify:{self.k_max}:{self.layout}"
 
 
 def verify_layout(k_max: int, layout: Any) -> tuple[int, ...] | None:
@@ -271,6 +284,8 @@ def verify_layout(k_max: int, layout: Any) -> tuple[int, ...] | None:
     text = str(layout or "linear").strip().lower()
     if text == "linear":
         return None
+    if text == "auto":
+        raise ValueError("verify:auto is a strategy of its own (Verify(auto=True)), not a fixed layout.")
     if text == "full":
         return tuple(range(k_max))
     try:
@@ -280,7 +295,8 @@ def verify_layout(k_max: int, layout: Any) -> tuple[int, ...] | None:
 
 
 STRATEGY_NAMES = ("standard", "static", "confadapt", "verify")
-SPEC_HELP = "standard, static:K, confadapt:TAU[:K_MAX] or verify[:K_MAX[:LAYOUT]] (LAYOUT: linear, full, 0/1/3)"
+SPEC_HELP = ("standard, static:K, confadapt:TAU[:K_MAX] or verify[:K_MAX[:LAYOUT]] (LAYOUT: linear, full, 0/1/3, or "
+             "auto: chosen per pass from the width cost and the load; verify:auto[:K_MAX])")
 
 
 def standard() -> Standard:
@@ -314,6 +330,8 @@ def verify(k_max: Any = DEFAULT_K_MAX, layout: Any = "linear") -> Verify:
         ValueError: k_max not in 1 .. :data:`MAX_K_MAX`, or a bad layout.
     """
     k = check_k_max(k_max)
+    if str(layout or "").strip().lower() == "auto":
+        return Verify(k_max=k, auto=True)
     return Verify(k_max=k, blocks=verify_layout(k, layout))
 
 
@@ -365,7 +383,11 @@ def resolve_strategy(
             t = parse_tau(args[0] if args else (DEFAULT_TAU if tau is None else tau))
             km = args[1] if len(args) > 1 else (min(default_k_max, cap) if k_max is None else k_max)
             return ConfAdapt(tau=t, k_max=_k_max_in(km, cap))
-        km = _k_max_in(args[0] if args else (min(default_k_max, cap) if k_max is None else k_max), cap)
+        auto = "auto" in args or (len(args) < 2 and str(layout or "").strip().lower() == "auto")
+        rest = [a for a in args if a != "auto"]  # verify:auto[:K_MAX] or verify:K_MAX:auto
+        km = _k_max_in(rest[0] if rest else (min(default_k_max, cap) if k_max is None else k_max), cap)
+        if auto:
+            return Verify(k_max=km, auto=True)
         return Verify(k_max=km, blocks=verify_layout(km, args[1] if len(args) > 1 else layout))
     except ValueError as e:
         raise ValueError(f"Bad strategy {choice!r}: {e}" if args else str(e)) from None

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from .decoding import sync
 from .loaded_model import LoadedModel
 
+#: Acceptance by draft position assumed for an MTP-trained checkpoint with no figures of its own: about what the
+#: default adapter reaches at k_max 4 (lossless effective k ~1.7).
+DEFAULT_ACCEPTANCE = (0.67, 0.42, 0.22)
 #: Tokens fed per pass that :func:`pass_costs` measures by default.
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16)
 #: The cached prompt the width curve is measured over (a GSM8K train question).
@@ -36,6 +39,14 @@ def pass_costs(lm: LoadedModel, widths: Sequence[int] = DEFAULT_WIDTHS, repeats:
     Returns:
         ``{w: seconds}``.
     """
+    return {w: statistics.median(t) for w, t in pass_times(lm, widths, repeats, prompt).items()}
+
+
+@torch.inference_mode()
+def pass_times(lm: LoadedModel, widths: Sequence[int] = DEFAULT_WIDTHS, repeats: int = 5,
+               prompt: str = WIDTH_PROMPT) -> dict[int, list[float]]:
+    """:func:`pass_costs`' measurements, round by round: ``{w: [seconds of round 0, round 1, ...]}``; within a
+    round every width runs once, one after another (what :meth:`WidthCosts.from_rounds` pairs)."""
     ids = lm.prompt_ids(prompt)
     cache = lm.new_cache()
     lm.forward(torch.tensor([ids], device=lm.device), cache, num_masks=0, logits_to_keep=1)
@@ -56,7 +67,74 @@ def pass_costs(lm: LoadedModel, widths: Sequence[int] = DEFAULT_WIDTHS, repeats:
     for _ in range(repeats):
         for w in widths:
             times[w].append(one(w))
-    return {w: statistics.median(t) for w, t in times.items()}
+    return times
+
+
+class WidthCosts:
+    """What a forward pass costs by tokens fed, as a ratio to a one-token pass, from passes run back to back: load
+    that comes and goes hits both passes of a pair alike, so their ratio holds still where absolute times do not.
+    New pairs (:meth:`observe`: the page's own passes) refresh it; the last :data:`WINDOW` ratios of each width
+    are kept. Missing widths are interpolated between measured ones (:func:`cost_at`).
+
+    Args:
+        ratios: ``{width: [ratio, ...]}`` to start from.
+    """
+
+    WINDOW = 64
+
+    def __init__(self, ratios: dict[int, Sequence[float]] | None = None):
+        self._ratios: dict[int, list[float]] = {1: [1.0]}
+        for w, rs in (ratios or {}).items():
+            for r in rs:
+                self.observe(w, r)
+
+    @classmethod
+    def from_rounds(cls, times: dict[int, Sequence[float]]) -> "WidthCosts":
+        """From :func:`pass_times`: in each round, each width's pass over that round's one-token pass."""
+        ones = list(times.get(1, []))
+        return cls({w: [t / one for t, one in zip(ts, ones) if one > 0] for w, ts in times.items() if w != 1})
+
+    def observe(self, width: int, ratio: float) -> None:
+        """One more pair: a pass of ``width`` tokens took ``ratio`` times a one-token pass run beside it."""
+        if width < 2 or not ratio > 0 or ratio != ratio:
+            return
+        kept = self._ratios.setdefault(int(width), [])
+        kept.append(float(ratio))
+        del kept[:-self.WINDOW]
+
+    def widths(self) -> list[int]:
+        """The widths measured (1 included)."""
+        return sorted(self._ratios)
+
+    def count(self, width: int) -> int:
+        """Pairs kept for ``width``."""
+        return len(self._ratios.get(width, [])) if width != 1 else 0
+
+    def costs(self) -> dict[int, float]:
+        """``{width: median ratio}`` (1.0 at width 1): relative costs for :func:`verify_rate` and
+        :func:`choose_verify_layout`."""
+        return {w: statistics.median(rs) for w, rs in self._ratios.items()}
+
+    def ratio(self, width: int) -> float:
+        """The median cost of a ``width``-token pass over a one-token pass (interpolated between widths)."""
+        return cost_at(self.costs(), width)
+
+    def spread(self, width: int) -> tuple[float, float] | None:
+        """The middle half of the ratios kept for ``width`` (25th and 75th percentiles); None with fewer than 4."""
+        rs = sorted(self._ratios.get(width, []))
+        if len(rs) < 4 or width == 1:
+            return None
+        q = statistics.quantiles(rs, n=4)
+        return q[0], q[2]
+
+    def to_dict(self) -> dict:
+        """Plain JSON: ``{width (str): [ratios]}``."""
+        return {str(w): list(rs) for w, rs in self._ratios.items() if w != 1}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "WidthCosts":
+        """Inverse of :meth:`to_dict`."""
+        return cls({int(w): [float(r) for r in rs] for w, rs in d.items()})
 
 
 def cost_at(costs: dict[int, float], width: int) -> float:
@@ -137,3 +215,76 @@ def choose_verify_layout(costs: dict[int, float], acceptance: Sequence[float], k
             if rate > best[0] * (1 + 1e-9):
                 best = (rate, k, blocks)
     return best[1], best[2], best[0] / base
+
+
+class AutoWidth:
+    """``verify:auto``'s choice, pass by pass, of k_max and where the mask blocks go (every choice is lossless:
+    only the speed depends on it).
+
+    The layout :func:`choose_verify_layout` finds fastest, priced at the *marginal* cost of this sequence's rows in
+    the pass: with ``other_rows`` rows of other sequences already in a shared pass, ``w`` more rows cost
+    ``cost(other_rows + w) - cost(other_rows)``. Alone, a flat width curve makes wide trees nearly free; beside
+    many sequences the same rows cost what they add to a pass that is already compute-bound, so the choice narrows
+    (down to standard decoding, k_max 1, where no draft pays for its rows). Choices are cached per
+    ``(limit, other rows, acceptance)``.
+
+    Args:
+        costs: the device's :class:`WidthCosts` (kept by reference: observations refresh the choices' inputs,
+            although a cached choice is only recomputed for new acceptance figures or loads).
+        acceptance: the prior acceptance by draft position (share of passes that accepted draft j,
+            :attr:`~model.engine.decoding.GenerationResult.acceptance_by_position`): a checkpoint's sweep, or a default.
+        prior_weight: how many passes of a sequence's own the prior counts as (:meth:`acceptance_for`).
+        max_tree_k_max: the largest k_max whose tree layouts are tried (2^k_max of them).
+    """
+
+    def __init__(self, costs: WidthCosts, acceptance: Sequence[float], *, prior_weight: float = 16.0,
+                 max_tree_k_max: int = 6):
+        self.costs, self.prior = costs, [float(a) for a in acceptance]
+        self.prior_weight, self.max_tree_k_max = prior_weight, max_tree_k_max
+        self._memo: dict[tuple, tuple[int, tuple[int, ...] | None]] = {}
+
+    def acceptance_for(self, by_position: Sequence[float | None], passes: int) -> list[float]:
+        """The acceptance by draft position to decide with: the prior and a sequence's own figures over ``passes``
+        passes that fed drafts, weighted ``prior_weight : passes`` (rounded to 0.05, so decisions are cached)."""
+        n = max(len(self.prior), len(by_position))
+        out = []
+        for j in range(n):
+            prior = self.prior[j] if j < len(self.prior) else 0.0
+            own = by_position[j] if j < len(by_position) and by_position[j] is not None else prior
+            w = passes if j < len(by_position) and by_position[j] is not None else 0
+            out.append(round((prior * self.prior_weight + own * w) / (self.prior_weight + w) * 20) / 20)
+        return out
+
+    def choose(self, limit: int, other_rows: int = 0, acceptance: Sequence[float] | None = None
+               ) -> tuple[int, tuple[int, ...] | None]:
+        """``(k_max, blocks)`` for the next pass (k_max 1: standard decoding; blocks None: linear)."""
+        acc = tuple(self.prior if acceptance is None else acceptance)
+        key = (int(limit), int(other_rows), acc)
+        if key not in self._memo:
+            base = self.costs.costs()
+            if other_rows > 0:
+                start = cost_at(base, other_rows)
+                widest = 1 + (limit - 1) * (1 + min(limit, self.max_tree_k_max))
+                marginal = {w: max(1e-9, cost_at(base, other_rows + w) - start) for w in range(1, widest + 1)}
+            else:
+                marginal = base
+            k, blocks, _ = choose_verify_layout(marginal, conditional_acceptance(acc), max(1, int(limit)),
+                                                max_blocks_k_max=self.max_tree_k_max)
+            self._memo[key] = (k, blocks)
+        return self._memo[key]
+
+
+_AUTO: dict[int, tuple[Any, AutoWidth]] = {}
+
+
+def auto_width(lm: LoadedModel, acceptance: Sequence[float] | None = None) -> AutoWidth:
+    """The :class:`AutoWidth` of ``lm``'s model, its width costs measured once on first use (:func:`pass_times`,
+    a few seconds) and kept per model object; ``acceptance`` (default: :data:`DEFAULT_ACCEPTANCE`) is the prior."""
+    entry = _AUTO.get(id(lm.model))
+    if entry is None or entry[0]() is not lm.model:
+        import weakref
+
+        costs = WidthCosts.from_rounds(pass_times(lm, widths=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), repeats=5))
+        entry = (weakref.ref(lm.model), AutoWidth(costs, acceptance or DEFAULT_ACCEPTANCE))
+        _AUTO[id(lm.model)] = entry
+    return entry[1]

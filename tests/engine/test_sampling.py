@@ -134,8 +134,8 @@ def tiny64(base_tokenizer):
 SAMPLING = Sampling(temperature=3.0, top_k=2)
 
 
-@pytest.mark.parametrize("strategy,n", [(verify(2), 3), (verify(3), 3), (verify(3, "full"), 3), (verify(4, "0/2"), 2)],
-                         ids=lambda s: getattr(s, "spec", str(s)))
+@pytest.mark.parametrize("strategy,n", [(verify(2), 3), (verify(3), 3), (verify(3, "full"), 3), (verify(4, "0/2"), 2),
+                                        (verify(3, "auto"), 3)], ids=lambda s: getattr(s, "spec", str(s)))
 def test_lossless_verify_is_exact_in_distribution(tiny64, strategy, n):
     """Every n-token continuation (n = 3; 2 for the widest layout, whose runs branch most): verify's probability
     equals standard sampling's (within float32 rounding), for each k_max and layout offered; the distribution is
