@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import logging
 import queue
+import statistics
 import threading
 import time
 from collections import OrderedDict
@@ -28,16 +29,15 @@ from typing import Any, Callable, Iterator, Sequence
 from model.engine.loaded_model import LoadedModel
 from model.engine.precision import native_bf16
 from model.engine.strategies import Verify, confadapt, verify
-from model.engine.width import choose_verify_layout, conditional_acceptance, cost_at, pass_costs
+from model.engine.width import (DEFAULT_ACCEPTANCE, AutoWidth, WidthCosts, choose_verify_layout,
+                                conditional_acceptance, pass_times)
 from model.evaluation.sweep import Sweep, load_sweep, run_sweep, verify_acceptance
 
 log = logging.getLogger(__name__)
 
-#: Acceptance by draft position assumed for an MTP-trained checkpoint without a sweep: about what the
-#: default adapter reaches at k_max 4 on GSM8K (lossless effective k ~1.7).
-DEFAULT_ACCEPTANCE = (0.67, 0.42, 0.22)
-#: Passes per width when the profile is measured (after one warm-up each).
-WIDTH_REPEATS = 3
+#: Rounds when the profile is measured (each round: every width once, after one warm-up each): one round under
+#: a burst of load skews its ratios, the median of seven does not.
+WIDTH_REPEATS = 7
 #: The lossless shapes the page offers: the fastest for this device, or a fixed layout at the k_max box.
 SHAPE_CHOICES = ("fastest here", "linear", "full tree")
 #: The page's "Measure the trade-off" sweep: ConfAdapt at these taus, lossless, 48 new tokens per answer.
@@ -68,10 +68,30 @@ class WidthProfile:
     dtype: str
     native_bf16: bool
     seconds: float = 0.0
+    ratios: WidthCosts = dataclasses.field(default_factory=WidthCosts, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.ratios.widths() == [1] and self.costs.get(1):  # given seconds only: their ratios, one pair each
+            for w, c in self.costs.items():
+                self.ratios.observe(w, c / self.costs[1])
+
+    @classmethod
+    def measure(cls, lm: LoadedModel) -> "WidthProfile":
+        """Measure ``lm``'s width cost now (:func:`~model.engine.width.pass_times`, :data:`WIDTH_REPEATS` rounds)."""
+        t0 = time.perf_counter()
+        times = pass_times(lm, repeats=WIDTH_REPEATS)
+        costs = {w: statistics.median(ts) for w, ts in times.items()}
+        return cls(costs, str(lm.device), lm.dtype_name, native_bf16(lm.device), time.perf_counter() - t0,
+                   WidthCosts.from_rounds(times))
 
     def ratio(self, width: int) -> float:
-        """Cost of a pass of ``width`` tokens ÷ cost of a one-token pass (interpolated between widths)."""
-        return cost_at(self.costs, width) / cost_at(self.costs, 1)
+        """Cost of a pass of ``width`` tokens ÷ cost of a one-token pass: the median of the ratios of passes run
+        back to back (:class:`~model.engine.width.WidthCosts`: measured, then refreshed by the page's own passes)."""
+        return self.ratios.ratio(width)
+
+    def spread(self, width: int) -> tuple[float, float] | None:
+        """The middle half of the ratios at ``width`` (None with fewer than 4)."""
+        return self.ratios.spread(width)
 
     @property
     def slow_width(self) -> bool:
@@ -81,13 +101,14 @@ class WidthProfile:
     def to_dict(self) -> dict:
         """Plain JSON (widths as strings)."""
         return {"costs": {str(k): v for k, v in self.costs.items()}, "device": self.device, "dtype": self.dtype,
-                "native_bf16": self.native_bf16, "seconds": self.seconds}
+                "native_bf16": self.native_bf16, "seconds": self.seconds, "ratios": self.ratios.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "WidthProfile":
         """Inverse of :meth:`to_dict`."""
-        return cls({int(k): float(v) for k, v in d["costs"].items()}, d["device"], d["dtype"], bool(d["native_bf16"]),
-                   float(d.get("seconds", 0.0)))
+        costs = {int(k): float(v) for k, v in d["costs"].items()}
+        ratios = WidthCosts.from_dict(d["ratios"]) if d.get("ratios") else WidthCosts()
+        return cls(costs, d["device"], d["dtype"], bool(d["native_bf16"]), float(d.get("seconds", 0.0)), ratios)
 
 
 @dataclass(frozen=True)
@@ -179,6 +200,7 @@ class ModelFacts:
         self._profile_errors: dict[tuple, str] = {}
         self._shipped: dict[tuple, Sweep | None] = {}
         self._measured: dict[tuple, Sweep] = {}
+        self._auto: dict[tuple, AutoWidth] = {}
         self._recent: OrderedDict[tuple, None] = OrderedDict()  # the keys above, least recently used first
 
     def _touch(self, key: tuple) -> None:
@@ -188,7 +210,7 @@ class ModelFacts:
         self._recent.move_to_end(key)
         while len(self._recent) > MAX_FACTS_KEPT:
             old, _ = self._recent.popitem(last=False)
-            for facts in (self._profiles, self._profile_errors, self._shipped, self._measured):
+            for facts in (self._profiles, self._profile_errors, self._shipped, self._measured, self._auto):
                 facts.pop(old, None)
 
     def kept(self) -> list[tuple]:
@@ -207,12 +229,9 @@ class ModelFacts:
                 return self._profiles[key]
         if lm is None:
             return None
-        t0 = time.perf_counter()
         try:
             with self._lock:
-                costs = pass_costs(lm, repeats=WIDTH_REPEATS)
-            prof = WidthProfile(dict(costs), str(lm.device), lm.dtype_name, native_bf16(lm.device),
-                                time.perf_counter() - t0)
+                prof = WidthProfile.measure(lm)
         except Exception as e:  # noqa: BLE001 - a model the measurement cannot run: the page says so
             log.exception("measuring the width cost of %s failed", key)
             with self._mutex:
@@ -231,6 +250,32 @@ class ModelFacts:
             with self._mutex:
                 self._profiles[key] = profile
                 self._touch(key)
+
+    def observe(self, key: tuple, pairs: Sequence[tuple[int, float]]) -> None:
+        """Refresh model ``key``'s width cost with the page's own passes: ``(tokens fed by an MTP pass, its time
+        over the standard pass run beside it)`` pairs; the choices of ``verify:auto`` follow."""
+        with self._mutex:
+            prof = self._profiles.get(key)
+            if prof is None:
+                return
+            for width, ratio in pairs:
+                prof.ratios.observe(width, ratio)
+            policy = self._auto.get(key)
+            if policy is not None and pairs:
+                policy._memo.clear()
+
+    def auto_width(self, key: tuple, lm: LoadedModel) -> AutoWidth | None:
+        """The :class:`~model.engine.width.AutoWidth` that lossless "fastest here" turns of model ``key`` decide
+        each pass with: this device's width cost and the checkpoint's acceptance (None without a profile)."""
+        prof = self.profile(key)
+        if prof is None:
+            return None
+        acc, _ = self.acceptance(key, lm)
+        with self._mutex:
+            policy = self._auto.get(key)
+            if policy is None or policy.costs is not prof.ratios or tuple(policy.prior) != tuple(acc):
+                policy = self._auto[key] = AutoWidth(prof.ratios, acc)
+            return policy
 
     def profile_error(self, key: tuple) -> str | None:
         """Why the width profile of ``key`` could not be measured, if it failed."""
@@ -282,7 +327,7 @@ class ModelFacts:
         if prof is None:
             return None
         acc, source = self.acceptance(key, lm)
-        k, blocks, speedup = choose_verify_layout(prof.costs, conditional_acceptance(acc), max(1, int(limit)))
+        k, blocks, speedup = choose_verify_layout(prof.ratios.costs(), conditional_acceptance(acc), max(1, int(limit)))
         return LosslessShape(k, blocks, speedup, acc, source, int(limit))
 
     # ------------------------------------------------------------------ measuring a sweep

@@ -41,6 +41,7 @@ from .registry import ModelRegistry
 from .requests import (STRATEGY_CHOICES, TurnRequest, app_k_max, check_message, check_page_controls, k_max_limit,
                        load_examples, parse_history, parse_source)
 from .sessions import MAX_WAITING, SessionRuns, stop_requested
+from .timing import width_pairs
 from .turn import history_after, prepare_turn, run_turn
 from .zerogpu import GPU_SWEEP_SECONDS, gpu_seconds, on_gpu, zero_gpu
 
@@ -178,7 +179,8 @@ class Page:
             extra = {}
             if state.final:
                 prof = self.facts.profile(turn.model_key)
-                extra = {"point": answer_point(state), "profile": prof.to_dict() if prof else None}
+                extra = {"point": answer_point(state), "profile": prof.to_dict() if prof else None,
+                         "width_pairs": width_pairs(state.standard.passes, state.mtp.passes)}
                 if state.phase in ("done", "stopped") and not self.zero_gpu:  # the next turn starts from here
                     self.prefixes.put(request.session, turn.model_key,
                                       {name: (d.cache, d.cached_ids) for name, d in turn.sides.items()})
@@ -244,6 +246,7 @@ class Page:
     def _keep_extra(self, key: tuple, session: str | None, extra: dict) -> None:
         if extra.get("profile") and self.facts.profile(key) is None:
             self.facts.put_profile(key, WidthProfile.from_dict(extra["profile"]))
+        self.facts.observe(key, extra.get("width_pairs") or [])  # the device's width cost, as the page runs it
         if extra.get("point"):
             self.sessions.add_point(session, extra["point"])
 

@@ -147,3 +147,12 @@ def estimate_speedup(std: Sequence[PassRecord], mtp: Sequence[PassRecord], *, re
     return SpeedEstimate(ratio=ratio, low=low, high=high, pairs=len(pairs), pass_cost=cost,
                          raw_ratio=(n_mtp / raw_mtp) / (n_std / raw_std), same_length=n_std == n_mtp,
                          standard=t_std, mtp=t_mtp)
+
+
+def width_pairs(std: Sequence[PassRecord], mtp: Sequence[PassRecord]) -> list[tuple[int, float]]:
+    """What a turn tells about this device's width cost: for each MTP decode pass that ran back to back with a
+    one-token standard pass (pass i of each side, neither sharing its pass with other sessions), ``(tokens it fed,
+    its seconds over the standard pass's)``, for :meth:`app.device.ModelFacts.observe`."""
+    return [(m.fed_tokens, m.seconds / s.seconds) for s, m in zip(std[1:], mtp[1:])
+            if s.fed_tokens == 1 < m.fed_tokens and s.seconds > 0 and m.seconds > 0
+            and s.shared_sequences == 1 and m.shared_sequences == 1]

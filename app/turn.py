@@ -89,9 +89,11 @@ def engine_messages(history: Sequence[dict]) -> list[dict]:
 
 def lossless_strategy(strategy: Strategy, shape: str, registry: "ModelRegistry", key: tuple, lm: LoadedModel
                       ) -> tuple[Strategy, LosslessShape | None]:
-    """The lossless strategy a turn runs: the k_max box's value is the upper bound of the shape chosen for
-    this device (``fastest here``: :meth:`app.device.ModelFacts.shape`, measuring the width profile if it is
-    not known yet), or the fixed layout at that k_max. Other strategies pass through.
+    """The lossless strategy a turn runs: ``fastest here`` is ``verify:auto`` with the k_max box's value as its
+    upper bound, choosing each pass's k_max and layout from this device's width cost (measured if not known yet,
+    refreshed by the page's passes) and the rows other sessions put beside it (:class:`~model.engine.width.AutoWidth`);
+    its :class:`~app.device.LosslessShape` is the choice for a pass alone (what the page shows). A fixed layout runs
+    at the box's k_max. Other strategies pass through.
 
     Raises:
         RequestError: a layout that does not fit the k_max."""
@@ -100,7 +102,7 @@ def lossless_strategy(strategy: Strategy, shape: str, registry: "ModelRegistry",
     if shape == "fastest here":
         chosen = registry.facts.shape(key, lm, strategy.k_max)
         if chosen is not None:
-            return chosen.strategy, chosen
+            return Verify(k_max=strategy.k_max, auto=True), chosen
         return strategy, None  # no width profile (the measurement failed): the linear layout, as set
     try:
         return Verify(k_max=strategy.k_max, blocks=verify_layout(strategy.k_max, shape)), None
@@ -144,8 +146,9 @@ def prepare_turn(registry: "ModelRegistry", request: TurnRequest, prefixes: "Pre
                            f"{MAX_PROMPT_TOKENS:,} tokens. Shorten the message or press Clear to start a new chat.")
     reuse = prefixes.take(request.session, key, ids, ("standard", "mtp")) if prefixes is not None else {}
     try:  # the engine checks the context budget (the MTP side looks further ahead than standard)
+        width = registry.facts.auto_width(key, lm) if getattr(strat, "auto", False) else None
         sides = {"standard": Decoder(lm, ids, standard(), n_new, sampling, prefix=reuse.get("standard")),
-                 "mtp": Decoder(lm, ids, strat, n_new, sampling, prefix=reuse.get("mtp"))}
+                 "mtp": Decoder(lm, ids, strat, n_new, sampling, prefix=reuse.get("mtp"), width=width)}
     except ValueError as e:
         raise RequestError(str(e)) from None
     number = sum(1 for m in hist if m["role"] == "user") + 1

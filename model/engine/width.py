@@ -116,8 +116,10 @@ class WidthCosts:
         return {w: statistics.median(rs) for w, rs in self._ratios.items()}
 
     def ratio(self, width: int) -> float:
-        """The median cost of a ``width``-token pass over a one-token pass (interpolated between widths)."""
-        return cost_at(self.costs(), width)
+        """The median cost of a ``width``-token pass over a one-token pass (interpolated between widths; 1.0 before
+        any width but 1 is known)."""
+        costs = self.costs()
+        return cost_at(costs, width) if len(costs) > 1 else 1.0
 
     def spread(self, width: int) -> tuple[float, float] | None:
         """The middle half of the ratios kept for ``width`` (25th and 75th percentiles); None with fewer than 4."""

@@ -155,7 +155,9 @@ def test_lossless_runs_the_shape_chosen_for_this_device_within_the_k_max_box(tin
     tiny_registry.facts.put_profile(key, _profile(FLAT))
     turn = prepare_turn(tiny_registry, TurnRequest("hi", [], "lossless", 0.9, 8, 3, 8, key, "fastest here"))
     k, blocks, speedup = choose_verify_layout(FLAT, conditional_acceptance(DEFAULT_ACCEPTANCE), 8)
-    assert (turn.strategy.k_max, turn.strategy.blocks) == (k, blocks) and k > 1 and blocks is not None
+    # verify:auto up to the box's k_max; the shape shown is its choice for a pass alone
+    assert turn.strategy.spec == "verify:8:auto" and (turn.shape.k_max, turn.shape.blocks) == (k, blocks)
+    assert k > 1 and blocks is not None and turn.sides["mtp"].width is tiny_registry.facts.auto_width(key, turn.lm)
     assert turn.shape.limit == 8 and turn.shape.speedup == pytest.approx(speedup)
     assert "assumed" in turn.shape.source and turn.sides["mtp"].strategy == turn.strategy
     # the k_max box is the upper bound
@@ -171,7 +173,7 @@ def test_lossless_runs_the_shape_chosen_for_this_device_within_the_k_max_box(tin
     # where width costs much, no draft pays: lossless runs as standard decoding (k_max 1), and says so
     tiny_registry.facts.put_profile(key, _profile({1: 0.03, 2: 0.06, 4: 0.12, 8: 0.24, 16: 0.48}, "cpu", False))
     turn = prepare_turn(tiny_registry, TurnRequest("hi", [], "lossless", 0.9, 4, 3, 8, key, "fastest here"))
-    assert turn.strategy.k_max == 1 and turn.shape.speedup == 1.0
+    assert turn.shape.k_max == 1 and turn.shape.speedup == 1.0
     last = finish(turn)[1]
     assert last.identical and last.mtp.forward_passes == last.standard.forward_passes
 
@@ -336,3 +338,28 @@ def test_a_follow_up_after_a_long_turn_computes_its_own_tokens(tiny_registry):
     fresh = finish(prepare_turn(tiny_registry, follow.with_(session=None)))[1]
     assert (done.standard.token_ids, done.mtp.token_ids) == (fresh.standard.token_ids, fresh.mtp.token_ids)
     assert store.tokens() == 0  # taken: the turn's decoders own the caches now
+
+
+def test_the_width_cost_survives_load_and_follows_the_pages_own_passes(tiny_registry):
+    """A measurement in which one round ran under a burst of load (its wide pass 3x slower) still reads the true
+    ratio (pairs of passes, median of rounds); the page's own turns then refresh it: after a lossless turn the
+    profile holds that turn's pairs too, and the shape is chosen from them."""
+    from app.device import WidthProfile
+    from app.page import Page
+    from app.sessions import SessionRuns
+    from model.engine.width import WidthCosts
+
+    rounds = {1: [0.010] * 7, 4: [0.0125, 0.0125, 0.0375, 0.0125, 0.0126, 0.0124, 0.0125]}
+    prof = WidthProfile({1: 0.010, 4: 0.0125}, "cpu", "bfloat16", True, ratios=WidthCosts.from_rounds(rounds))
+    assert prof.ratio(4) == pytest.approx(1.25, abs=0.01)
+    key = ("tiny", "none", "auto")
+    page = Page(tiny_registry, SessionRuns(), preload=False)
+    lm = tiny_registry.get(*key)
+    page.facts.put_profile(key, prof)
+    before = prof.ratios.count(4) + prof.ratios.count(2) + prof.ratios.count(3)
+    *_, last = page.chat("Tell me a story.", [], "lossless", 0.9, 4, 3, 10, "linear", key,
+                         request=type("R", (), {"session_hash": "w"})())
+    pairs = sum(prof.ratios.count(w) for w in range(2, 9)) - before
+    assert pairs >= 3  # the turn's decode passes, each paired with the standard pass beside it
+    assert "over" in render.width_text(prof, 4)  # shown with its spread
+    assert page.facts.shape(key, lm, 4, measure=False) is not None
