@@ -287,9 +287,13 @@ def propose(logits: torch.Tensor, mask_token_id: int) -> tuple[list[int], list[f
     Raises:
         NonFiniteLogitsError: a NaN or infinite logit (the softmax would be meaningless).
     """
-    logits = check_finite(logits.float())
+    logits = logits.float()
     logits[:, mask_token_id] = float("-inf")
-    conf, tokens = torch.softmax(logits, dim=-1).max(dim=-1)
+    top, tokens = logits.max(dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    if not bool(torch.isfinite(top).all() and torch.isfinite(lse).all()):  # a NaN or +inf logit reaches both
+        check_finite(logits.masked_fill(torch.isneginf(logits), 0.0))  # says where; -inf alone is a masked logit
+    conf = torch.exp(top - lse)  # the top-1 softmax probability: one pass for max, one for logsumexp
     return tokens.tolist(), conf.tolist()
 
 
