@@ -142,8 +142,10 @@ class BatchRunner:
                 result.errors[d] = self.errors[d] = e
         result.rows = sum(len(layout.tokens) for _, layout in chosen)
         result.seconds = time.perf_counter() - t0
-        for d, layout in chosen:  # what verify:auto prices its next pass's rows against
+        emitted = sum(len(r.kept) for r in result.records.values())
+        for d, layout in chosen:  # what verify:auto weighs its next pass's rows against
             d.other_rows = result.rows - len(layout.tokens)
+            d.other_tokens = float(emitted - (len(result.records[d].kept) if d in result.records else 0))
         for rec in result.records.values():  # every member waited for the whole shared pass
             rec.seconds, rec.shared_sequences, rec.shared_rows = result.seconds, len(chosen), result.rows
         self.decoders = [d for d in self.decoders if not d.done]

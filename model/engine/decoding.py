@@ -586,9 +586,11 @@ class Decoder:
         if prefix is not None:
             self._reuse(*prefix)
         #: verify:auto: the width policy (:class:`~model.engine.width.AutoWidth`; measured for the model when not
-        #: given) and the rows other sequences put in this decoder's last shared pass (set by a batch runner).
+        #: given), and the rows other sequences put in this decoder's last shared pass and the tokens they emitted
+        #: there (set by a batch runner).
         self.width = width
         self.other_rows = 0
+        self.other_tokens = 0.0
 
     def _reuse(self, cache: Any, cache_ids: Sequence[int]) -> None:
         """Start from a KV cache that holds ``cache_ids`` (a previous generation's :attr:`cached_ids` on the same
@@ -686,7 +688,7 @@ class Decoder:
             self.width = auto_width(self.lm)
         with_drafts = sum(1 for p in self.passes if p.counted_drafts[0])
         acc = self.width.acceptance_for(acceptance_by_position(self.passes), with_drafts)
-        k, blocks = self.width.choose(strategy.k_max, self.other_rows, acc)
+        k, blocks = self.width.choose(strategy.k_max, self.other_rows, acc, self.other_tokens)
         return strategy.at(k, blocks)
 
     @torch.inference_mode()

@@ -167,7 +167,8 @@ def conditional_acceptance(by_position: Sequence[float | None]) -> list[float]:
 
 
 def verify_rate(costs: dict[int, float], acceptance: Sequence[float], k_max: int,
-                blocks: Sequence[int] | None = None) -> tuple[float, float]:
+                blocks: Sequence[int] | None = None, other_rows: int = 0, other_tokens: float = 0.0
+                ) -> tuple[float, float]:
     """Expected ``(tokens per pass, tokens per second)`` of lossless verification at ``k_max`` with mask
     blocks after the draft prefixes in ``blocks`` (None: the linear layout, one block after all drafts).
 
@@ -177,12 +178,15 @@ def verify_rate(costs: dict[int, float], acceptance: Sequence[float], k_max: int
     without drafts feeds the pending token and one block of ``n`` masks, emits one token, and the next
     pass has drafts.
 
+    With ``other_rows`` rows of other sequences in the same pass, emitting ``other_tokens`` tokens a pass, the
+    speed is the pass's: every sequence's tokens over the cost of all its rows (what adding rows does to everyone).
+
     Args:
         costs: :func:`pass_costs` (seconds by tokens fed).
         acceptance: :func:`conditional_acceptance` by draft position (missing positions: 0).
     """
     if k_max <= 1:
-        return 1.0, 1.0 / cost_at(costs, 1)
+        return 1.0, (1.0 + other_tokens) / cost_at(costs, other_rows + 1)
     n = k_max - 1
     blocks = (n,) if blocks is None else tuple(blocks)
     p = [acceptance[j] if j < len(acceptance) else 0.0 for j in range(n)]
@@ -194,26 +198,29 @@ def verify_rate(costs: dict[int, float], acceptance: Sequence[float], k_max: int
     again = sum(q for a, q in enumerate(probs) if a in blocks)  # P(the next pass has drafts)
     share_with = 1.0 / (2.0 - again)
     tokens = share_with * sum((a + 1) * q for a, q in enumerate(probs)) + (1 - share_with)
-    seconds = share_with * cost_at(costs, 1 + n + len(blocks) * n) + (1 - share_with) * cost_at(costs, 1 + n)
-    return tokens, tokens / seconds
+    seconds = (share_with * cost_at(costs, other_rows + 1 + n + len(blocks) * n)
+               + (1 - share_with) * cost_at(costs, other_rows + 1 + n))
+    return tokens, (tokens + other_tokens) / seconds
 
 
 def choose_verify_layout(costs: dict[int, float], acceptance: Sequence[float], k_max_limit: int,
-                         max_blocks_k_max: int = 8) -> tuple[int, tuple[int, ...] | None, float]:
+                         max_blocks_k_max: int = 8, other_rows: int = 0, other_tokens: float = 0.0
+                         ) -> tuple[int, tuple[int, ...] | None, float]:
     """The lossless setting with the most expected tokens per second on this device: ``(k_max, blocks,
     speed relative to standard decoding)``; ``k_max`` 1 is standard decoding itself. Every k_max up to
     ``k_max_limit`` with the linear layout is tried, and every set of block prefixes for k_max up to
-    ``max_blocks_k_max`` (2^k_max layouts each)."""
+    ``max_blocks_k_max`` (2^k_max layouts each). ``other_rows`` / ``other_tokens``: the rest of a shared pass
+    (:func:`verify_rate`)."""
     from itertools import combinations
 
-    base = 1.0 / cost_at(costs, 1)
+    base = verify_rate(costs, acceptance, 1, None, other_rows, other_tokens)[1]
     best: tuple[float, int, tuple[int, ...] | None] = (base, 1, None)
     for k in range(2, k_max_limit + 1):
         layouts: list[tuple[int, ...] | None] = [None]
         if k <= max_blocks_k_max:
             layouts += [c for r in range(1, k + 1) for c in combinations(range(k), r) if c != (k - 1,)]
         for blocks in layouts:
-            rate = verify_rate(costs, acceptance, k, blocks)[1]
+            rate = verify_rate(costs, acceptance, k, blocks, other_rows, other_tokens)[1]
             if rate > best[0] * (1 + 1e-9):
                 best = (rate, k, blocks)
     return best[1], best[2], best[0] / base
@@ -223,12 +230,12 @@ class AutoWidth:
     """``verify:auto``'s choice, pass by pass, of k_max and where the mask blocks go (every choice is lossless:
     only the speed depends on it).
 
-    The layout :func:`choose_verify_layout` finds fastest, priced at the *marginal* cost of this sequence's rows in
-    the pass: with ``other_rows`` rows of other sequences already in a shared pass, ``w`` more rows cost
-    ``cost(other_rows + w) - cost(other_rows)``. Alone, a flat width curve makes wide trees nearly free; beside
-    many sequences the same rows cost what they add to a pass that is already compute-bound, so the choice narrows
+    The layout :func:`choose_verify_layout` finds fastest *for the whole shared pass*: with ``other_rows`` rows of
+    other sequences in it, emitting ``other_tokens`` tokens, a layout of ``w`` rows that emits ``t`` tokens gives
+    ``(other_tokens + t) / cost(other_rows + w)``. Alone, a flat width curve makes wide trees nearly free; beside
+    many sequences the same rows slow a pass that is already compute-bound for all of them, so the choice narrows
     (down to standard decoding, k_max 1, where no draft pays for its rows). Choices are cached per
-    ``(limit, other rows, acceptance)``.
+    ``(limit, other rows, other tokens, acceptance)``.
 
     Args:
         costs: the device's :class:`WidthCosts` (kept by reference: observations refresh the choices' inputs,
@@ -257,21 +264,15 @@ class AutoWidth:
             out.append(round((prior * self.prior_weight + own * w) / (self.prior_weight + w) * 20) / 20)
         return out
 
-    def choose(self, limit: int, other_rows: int = 0, acceptance: Sequence[float] | None = None
-               ) -> tuple[int, tuple[int, ...] | None]:
+    def choose(self, limit: int, other_rows: int = 0, acceptance: Sequence[float] | None = None,
+               other_tokens: float = 0.0) -> tuple[int, tuple[int, ...] | None]:
         """``(k_max, blocks)`` for the next pass (k_max 1: standard decoding; blocks None: linear)."""
         acc = tuple(self.prior if acceptance is None else acceptance)
-        key = (int(limit), int(other_rows), acc)
+        key = (int(limit), int(other_rows), round(float(other_tokens) * 2) / 2, acc)
         if key not in self._memo:
-            base = self.costs.costs()
-            if other_rows > 0:
-                start = cost_at(base, other_rows)
-                widest = 1 + (limit - 1) * (1 + min(limit, self.max_tree_k_max))
-                marginal = {w: max(1e-9, cost_at(base, other_rows + w) - start) for w in range(1, widest + 1)}
-            else:
-                marginal = base
-            k, blocks, _ = choose_verify_layout(marginal, conditional_acceptance(acc), max(1, int(limit)),
-                                                max_blocks_k_max=self.max_tree_k_max)
+            k, blocks, _ = choose_verify_layout(self.costs.costs(), conditional_acceptance(acc), max(1, int(limit)),
+                                                max_blocks_k_max=self.max_tree_k_max, other_rows=int(other_rows),
+                                                other_tokens=key[2])
             self._memo[key] = (k, blocks)
         return self._memo[key]
 

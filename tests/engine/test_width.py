@@ -87,9 +87,10 @@ def test_auto_width_narrows_as_the_pass_fills():
     acc = (0.7, 0.5, 0.3)
     assert AutoWidth(flat, acc).choose(4)[0] == 4
     k_alone, _ = AutoWidth(steep, acc).choose(4, 0)
-    k_busy, _ = AutoWidth(steep, acc).choose(4, 48)
+    k_busy, _ = AutoWidth(steep, acc).choose(4, 48, other_tokens=40)  # 48 rows of others, emitting 40 tokens
     assert k_alone >= 2 and k_busy < k_alone
-    assert AutoWidth(steep, (0.05, 0.0, 0.0)).choose(4, 48) == (1, None)  # no draft pays for its rows
+    assert AutoWidth(steep, (0.05, 0.0, 0.0)).choose(4, 48, other_tokens=40) == (1, None)  # no draft pays
+    assert AutoWidth(steep, acc).choose(4, 48)[0] == 4  # others that emit nothing: the pass costs what it costs
     policy = AutoWidth(flat, acc)
     assert policy.acceptance_for([1.0, 1.0, 1.0], 0) == [0.7, 0.5, 0.3]  # the prior until passes are seen
     assert policy.acceptance_for([1.0, 1.0, 1.0], 1000)[0] > 0.95
