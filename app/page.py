@@ -53,6 +53,18 @@ FIGURE_EVERY_S = float(os.environ.get("MTP_APP_FIGURE_EVERY_S", "0.6"))
 PANE_EVERY_S = float(os.environ.get("MTP_APP_PANE_EVERY_S", "0.12"))
 
 
+#: Seconds a message waits for one the page sent before it that has not reached the server, before it starts anyway.
+ORDER_GRACE_S = 2.0
+
+
+def _seq_of(value: Any) -> int | None:
+    """The page's message number from its hidden box (None when absent or not a number)."""
+    try:
+        return int(float(value)) if value not in (None, "") else None
+    except (TypeError, ValueError):
+        return None
+
+
 def session_of(request: Any) -> str | None:
     """The page session of a Gradio request (None for a call without one)."""
     return getattr(request, "session_hash", None)
@@ -186,18 +198,21 @@ class Page:
                                       {name: (d.cache, d.cached_ids) for name, d in turn.sides.items()})
             yield out, state.final, history_after(state), extra
 
-    def turn_updates(self, request: TurnRequest, session: str | None) -> Iterator[tuple]:
+    def turn_updates(self, request: TurnRequest, session: str | None, seq: int | None = None) -> Iterator[tuple]:
         """A turn in its session, as :data:`~app.outputs.TURN_OUTPUTS` tuples: the message waits behind the
         session's turn still answering (a notice says so), then runs as the session's next turn, continuing its
         conversation as the server recorded it (:meth:`~app.sessions.SessionRuns.conversation`). ``session`` None
         (API and MCP clients): no queue, no record, the history sent is the conversation."""
+        self.sessions.arrive(session, seq)  # refused or not, a later message need not wait for this one
         try:
             check_message(request.message)  # an empty message never takes a place in the queue
         except RequestError as e:
+            self.sessions.settle(session)
             yield error_outputs(str(e))
             return
-        ticket = self.sessions.enter(session)
+        ticket = self.sessions.enter(session, seq)
         if ticket is None:
+            self.sessions.settle(session)
             yield refused_outputs(f"{MAX_WAITING} messages already wait for the answer in progress; this one stays "
                                   "in the box. Send it when one of them has started, or press Stop.")
             return
@@ -209,7 +224,8 @@ class Page:
                 yield outputs_of(message="", notice=notice_html(
                     f"Your message waits for the answer in progress{n} to end{after}, and is answered then; Stop "
                     "ends that answer now."))
-                ticket.wait_turn()
+                while not ticket.wait_turn(ORDER_GRACE_S):
+                    self.sessions.promote(session)  # held for an earlier message that never came
             try:
                 sent = parse_history(request.history)
             except RequestError as e:
@@ -251,22 +267,26 @@ class Page:
             self.sessions.add_point(session, extra["point"])
 
     def chat(self, message, history, strategy, tau, k_max, k, max_new_tokens, shape, model_key, temperature=0.0,
-             top_p=1.0, request: gr.Request = None) -> Iterator[tuple]:
+             top_p=1.0, seq=None, request: gr.Request = None) -> Iterator[tuple]:
         """The page's Send / Enter: the turn's updates, the message box changed only by command
         (:func:`~app.outputs.box_command`: a message the user typed since is never replaced). An empty box of the
         controls the strategy uses is refused (:func:`~app.requests.check_page_controls`), never read as a
-        default."""
+        default. ``seq``: the page's number for the message (its script counts Sends), so that two messages sent
+        moments apart are answered in the order they were sent (:meth:`~app.sessions.SessionRuns.enter`)."""
         sent = "" if message is None else str(message)
+        seq = _seq_of(seq)
         try:
             check_page_controls(strategy, tau, k_max, k)
         except RequestError as e:
+            self.sessions.arrive(session_of(request), seq)
+            self.sessions.settle(session_of(request))
             out = error_outputs(str(e))
             yield (box_command(out[0], sent),) + tuple(out[1:])
             return
         turn = TurnRequest(message, history, strategy, tau, k_max, k, max_new_tokens, model_key, shape,
                            temperature=temperature, top_p=top_p)
         self.sessions.set_controls(session_of(request), strategy, tau, k_max)
-        for out in self.turn_updates(turn, session_of(request)):
+        for out in self.turn_updates(turn, session_of(request), seq):
             yield (box_command(out[0], sent),) + tuple(out[1:])
 
     def chat_api(self, message: str, history: list, strategy: str, tau: float, k_max: int, k: int,

@@ -61,13 +61,14 @@ class RunTicket:
     Attributes:
         run_id: names the run's stop flag (:func:`stop_requested`), for a generation in another process.
         session: the page session it belongs to.
+        seq: the page's number for the message (1, 2, ... in the order the user sent them), or None.
         turn_number: set once the turn is prepared.
         started: set when the ticket became the session's run.
         ended: set when the run ended (its conversation recorded).
     """
 
-    def __init__(self, runs: "SessionRuns", session: str):
-        self._runs, self.session = runs, session
+    def __init__(self, runs: "SessionRuns", session: str, seq: int | None = None):
+        self._runs, self.session, self.seq = runs, session, seq
         self.run_id = uuid.uuid4().hex
         self._reason: str | None = None
         self.started = threading.Event()
@@ -130,12 +131,47 @@ class SessionRuns:
         self._kept_chars = 0  # their sum
         self._points: OrderedDict[str, list[AnswerPoint]] = OrderedDict()
         self._controls: OrderedDict[str, tuple] = OrderedDict()
+        self._arrived: OrderedDict[str, set[int]] = OrderedDict()  # the page's message numbers seen per session
 
-    def enter(self, session: str | None) -> RunTicket | None:
+    def arrive(self, session: str | None, seq: int | None) -> None:
+        """Note that the page's message number ``seq`` reached the server (refused ones too: every message the page
+        numbered arrives here first), so that a later one does not wait for it (:meth:`enter`; a refused one then
+        calls :meth:`settle`)."""
+        if session is None or seq is None:
+            return
+        with self._lock:
+            seen = self._arrived.setdefault(session, set())
+            seen.add(int(seq))
+            self._arrived.move_to_end(session)
+            while len(self._arrived) > MAX_SESSIONS_KEPT:
+                self._arrived.popitem(last=False)
+
+    def settle(self, session: str | None) -> None:
+        """A numbered message was refused (it arrived but takes no place): start a message held for it, if the
+        session is idle and nothing else before that message is still on its way."""
+        with self._lock:
+            queue = self._queues.get(session) if session is not None else None
+            if queue and not any(t.started.is_set() for t in queue) and not self._earlier_missing(session,
+                                                                                              queue[0].seq):
+                queue[0].started.set()
+
+    def _earlier_missing(self, session: str, seq: int | None) -> bool:
+        """(Lock held.) A message the page numbered before ``seq`` has not reached the server yet."""
+        seen = self._arrived.get(session)
+        if seq is None or not seen:
+            return False
+        return any(n not in seen for n in range(min(seen), seq))
+
+    def enter(self, session: str | None, seq: int | None = None) -> RunTicket | None:
         """A ticket for a new message in ``session``: already started when the session is idle, else waiting
         behind its run (see :meth:`RunTicket.wait_turn`). None when :data:`MAX_WAITING` messages wait already (one
         more while the running turn is stopping: a message sent right after Stop is never refused).
-        ``session`` None (an API client without a session) is never queued."""
+        ``session`` None (an API client without a session) is never queued.
+
+        Messages keep the order the user sent them in: with the page's number ``seq`` (:meth:`arrive`), a message
+        goes before the waiting ones numbered after it, and an idle session does not start one while a message
+        numbered before it is still on its way (two Enters 25 ms apart may reach the server the other way round);
+        :meth:`promote` starts it anyway once that message is late (never arrived)."""
         if session is None:
             ticket = RunTicket(self, f"anonymous-{uuid.uuid4().hex}")
             ticket.started.set()
@@ -145,11 +181,21 @@ class SessionRuns:
             stopping = bool(queue) and queue[0].stop_reason() is not None
             if len(queue) - 1 >= MAX_WAITING + stopping:
                 return None
-            ticket = RunTicket(self, session)
-            queue.append(ticket)
-            if len(queue) == 1:
+            ticket = RunTicket(self, session, seq)
+            at = len(queue)
+            while at > 0 and not queue[at - 1].started.is_set() and _before(ticket, queue[at - 1]):
+                at -= 1
+            queue.insert(at, ticket)
+            if at == 0 and not self._earlier_missing(session, seq):
                 ticket.started.set()
             return ticket
+
+    def promote(self, session: str | None) -> None:
+        """Start the first message of an idle session that was held for an earlier one that never arrived."""
+        with self._lock:
+            queue = self._queues.get(session) if session is not None else None
+            if queue and not any(t.started.is_set() for t in queue):
+                queue[0].started.set()
 
     def begin(self, session: str | None) -> RunTicket | None:
         """A started ticket when the session is idle, else None (never waits; tests and tools)."""
@@ -259,10 +305,11 @@ class SessionRuns:
                     elif ticket._conversation is not None:
                         self._keep(ticket.session, ticket._conversation)
                 queue.remove(ticket)
-                if queue:
-                    queue[0].started.set()
-                else:
+                if not queue:
                     del self._queues[ticket.session]
+                elif not any(t.started.is_set() for t in queue) and not self._earlier_missing(ticket.session,
+                                                                                              queue[0].seq):
+                    queue[0].started.set()
             ticket._conversation = None
         ticket.ended.set()
 
@@ -270,3 +317,8 @@ class SessionRuns:
 def _charge(history: Sequence[dict]) -> int:
     """A conversation's charge against :data:`MAX_KEPT_CHARS`: its messages' text and :data:`MESSAGE_CHARGE` each."""
     return sum(MESSAGE_CHARGE + sum(len(v) for v in m.values() if isinstance(v, str)) for m in history)
+
+
+def _before(a: RunTicket, b: RunTicket) -> bool:
+    """``a`` was sent before ``b`` by the page's numbers (a message without a number keeps its arrival place)."""
+    return a.seq is not None and b.seq is not None and a.seq < b.seq

@@ -64,7 +64,24 @@ LIKE_WITH_LIKE = ("Both panes answer the same conversation: from turn 2 on, the 
 #: the document's head): narrower page margins on phones.
 HEAD = """<style>
 @media (max-width: 640px) { .gradio-container .main.app {padding-left: 8px !important; padding-right: 8px !important} }
-</style>"""
+</style>
+<script>
+/* The message as it is at the moment Enter or Send is pressed. Gradio reads an event's inputs a moment later:
+   typing the next message at once (two Enters 25 ms apart) sent that one twice and lost the first. */
+(() => {
+  const sent = window.mtpSent = [];
+  const take = () => {
+    const box = document.querySelector('#message textarea');
+    if (box) sent.push({text: box.value, at: performance.now()});
+  };
+  document.addEventListener('keydown', (e) => {
+    if (e.key === 'Enter' && !e.shiftKey && !e.isComposing && e.target.closest && e.target.closest('#message')) take();
+  }, true);
+  document.addEventListener('click', (e) => {
+    if (e.target.closest && e.target.closest('#send')) take();
+  }, true);
+})();
+</script>"""
 
 
 
@@ -80,6 +97,19 @@ BOX_JS = """(command, current) => {
   }
   return current;
 }"""
+
+
+def seq_js(n_inputs: int) -> str:
+    """Before each Send / Enter is handed to the server: the message as it was when the key or button was pressed
+    (:data:`HEAD`'s script keeps it; entries older than 2 s are stale), and its number (1, 2, ... per page) in the
+    hidden last of its ``n_inputs`` inputs, so that the server answers messages in the order they were sent even
+    when their events arrive the other way round. (Gradio hands the script the inputs' values, then the outputs';
+    what it returns replaces the inputs.)"""
+    return ("(...args) => { window.mtpMessageNumber = (window.mtpMessageNumber || 0) + 1; "
+            f"const inputs = args.slice(0, {n_inputs}); const sent = window.mtpSent || []; "
+            "while (sent.length && performance.now() - sent[0].at > 2000) sent.shift(); "
+            "if (sent.length) inputs[0] = sent.shift().text; "
+            f"inputs[{n_inputs - 1}] = String(window.mtpMessageNumber); return inputs; }}")
 
 
 def header_html() -> str:
@@ -239,6 +269,7 @@ def _api_components(page: Page, c: SimpleNamespace) -> None:
     c.history = gr.JSON([], visible="hidden", elem_id="history")  # in the page (hidden): tests read it
     c.result = gr.JSON(None, visible=False, elem_id="result")
     c.box = gr.Textbox("", visible=False, elem_id="box-command")
+    c.seq = gr.Textbox("", visible=False, elem_id="message-number")  # the page's number for each message sent
     c.api_chat = gr.Button(visible=False, elem_id="api-chat")
     c.api_load = gr.Button(visible=False, elem_id="api-load")
     c.api_summary = gr.Button(visible=False, elem_id="api-summary")
@@ -267,9 +298,9 @@ def _wire(page: Page, c: SimpleNamespace) -> None:
                c.race, c.table, c.status, c.notice, c.tradeoff, c.result]
     assert len(outputs) == len(TURN_OUTPUTS)
     turn_inputs = [c.message, c.history, c.strategy, c.tau, c.k_max, c.k, c.max_new, c.shape, c.model_key,
-                   c.temperature, c.top_p]
+                   c.temperature, c.top_p, c.seq]
     gr.on([c.send.click, c.message.submit], page.chat, turn_inputs, outputs, api_name=False, trigger_mode="multiple",
-          concurrency_limit=CONCURRENCY, concurrency_id="generate", show_progress="hidden")
+          concurrency_limit=CONCURRENCY, concurrency_id="generate", show_progress="hidden", js=seq_js(len(turn_inputs)))
     c.box.change(None, [c.box, c.message], c.message, js=BOX_JS, **quiet)
     c.api_chat.click(api_only(page.chat_api), c.api_chat_inputs, c.api_chat_outputs, api_name="chat",
                      concurrency_limit=CONCURRENCY, concurrency_id="generate", show_progress="hidden")

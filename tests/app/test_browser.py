@@ -481,6 +481,25 @@ def test_enter_stop_then_another_message_loses_none(page, served, busy):
         assert all(std) and page.input_value("#message textarea") == ""
 
 
+def test_two_quick_enters_are_answered_in_order(page, served, busy):
+    """Two messages sent moments apart (type A, Enter, type B, Enter: a few ms) at an idle session, five times, on a
+    loaded machine: both are answered, A first (the page numbers its messages; the server answers them in that order
+    even when their events arrive the other way round), and both stay in the conversation."""
+    set_number(page, "k-max", 4)
+    set_number(page, "max-new-tokens", 4)
+    for i in range(5):
+        page.click("#clear")
+        wait_status(page, "Cleared")
+        a, b = f"A{i}: what is {i} plus 1?", f"B{i}: what is {i} plus 2?"
+        page.fill("#message textarea", a)
+        page.press("#message textarea", "Enter")
+        page.fill("#message textarea", b)
+        page.press("#message textarea", "Enter")
+        wait_status(page, "Turn 2: done in")
+        every_turn_kept(page, [a, b])
+        assert page.input_value("#message textarea") == ""
+
+
 @pytest.mark.parametrize("size", [(390, 844), (1280, 900)])
 def test_notices_never_cover_the_controls(browser, served, size):
     """Errors and refusals are said in the page, under the controls: no toast, and Stop stays clickable."""

@@ -68,3 +68,46 @@ def test_the_page_continues_the_servers_record_and_a_call_without_a_session_its_
     assert runs.conversation("s", other) == STOPPED  # the server's record is the session's
     assert runs.conversation(None, other) == other  # API and MCP calls: exactly the history they send
     assert runs.conversation("new", other) == other  # no record yet
+
+
+def test_messages_keep_the_order_they_were_sent_in_when_their_events_arrive_reversed():
+    """Two Enters 25 ms apart can reach the server the other way round: message 2 arrives first at an idle session
+    and is held (message 1 is on its way); message 1 then starts first, and 2 waits behind it. A message held for
+    one that was refused (an empty one: it arrived, took no place) starts at once; one held for a message that
+    never arrives is started by promote."""
+    from app.sessions import SessionRuns
+
+    runs = SessionRuns()
+    runs.arrive("s", 1)  # the page's first message: nothing before it
+    first = runs.enter("s", 1)
+    assert first.started.is_set()
+    first.release()
+    runs.arrive("s", 3)
+    third = runs.enter("s", 3)
+    assert not third.started.is_set()  # message 2 is still on its way
+    runs.arrive("s", 2)
+    second = runs.enter("s", 2)
+    assert second.started.is_set() and not third.started.is_set()
+    assert runs.current("s") is second and runs.waiting("s") == 1
+    second.release()
+    assert third.started.is_set()
+    third.release()
+    # held for a message that arrived but was refused (empty: it never entered)
+    runs.arrive("s", 5)
+    fifth = runs.enter("s", 5)
+    assert not fifth.started.is_set()
+    runs.arrive("s", 4)  # message 4 arrives but is refused before entering
+    assert not fifth.started.is_set()
+    runs.settle("s")
+    assert fifth.started.is_set()
+    fifth.release()
+    # held for a message that never comes: promote starts it
+    runs.arrive("s", 7)
+    seventh = runs.enter("s", 7)
+    assert not seventh.started.is_set()
+    runs.promote("s")
+    assert seventh.started.is_set()
+    seventh.release()
+    # messages without numbers (API tools, tests) keep their arrival order
+    a, b = runs.enter("t"), runs.enter("t")
+    assert a.started.is_set() and not b.started.is_set()
