@@ -451,3 +451,21 @@ def test_gpu_check_skips_cleanly_without_cuda():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ("gpu_check: no CUDA device here: skipped "
                                   "(use --device cpu for a dry run on the CPU).")
+
+
+# -------------------------------------------------------- python -m model.sweep
+def test_sweep_cli_measures_any_prompts(tiny_dirs, tmp_path, capsys):
+    """Prompt rows without answers (e.g. the Magpie held-out file): a sweep the app can draw, and a table."""
+    from model.evaluation.sweep import load_sweep
+    from model.sweep import main
+
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Name a colour."}, {"question": "Why is the sky blue?"}])
+    out = tmp_path / "adapter" / "sweep.json"
+    assert main(["--model", str(tiny_dirs / "ok"), "--data", str(data), "--strategies", "confadapt:0.5:2,verify:2",
+                 "--max-new-tokens", "4", "--out", str(out)]) == 0
+    sweep = load_sweep(out.parent)
+    assert [p.spec for p in sweep.points] == ["standard", "confadapt:0.5:2", "verify:2"] and sweep.n_prompts == 2
+    assert sweep.named("verify")[0].agreement_with_standard == 1.0  # lossless
+    assert "eff. k" in capsys.readouterr().out
+    assert main(["--data", str(tmp_path / "missing.jsonl")]) == 2
+    assert main(["--data", str(data), "--strategies", "fast"]) == 2
