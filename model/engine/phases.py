@@ -66,11 +66,9 @@ def propose(logits: torch.Tensor, mask_token_id: int) -> tuple[list[int], list[f
     """
     logits = logits.float()
     logits[:, mask_token_id] = float("-inf")
-    top, tokens = logits.max(dim=-1)
-    lse = torch.logsumexp(logits, dim=-1)
-    if not bool(torch.isfinite(top).all() and torch.isfinite(lse).all()):  # a NaN or +inf logit reaches both
+    conf, tokens = torch.softmax(logits, dim=-1).max(dim=-1)
+    if not bool(torch.isfinite(conf).all()):  # a NaN or +inf logit makes its row's softmax NaN
         check_finite(logits.masked_fill(torch.isneginf(logits), 0.0))  # says where; -inf alone is a masked logit
-    conf = torch.exp(top - lse)  # the top-1 softmax probability: one pass for max, one for logsumexp
     return tokens.tolist(), conf.tolist()
 
 
