@@ -3,8 +3,8 @@ report, beside the two points the authors published for their SGLang fork (ConfA
 
     .venv/bin/python scripts/plot_concurrency.py docs/concurrency.json --out docs/concurrency.png [--markdown]
 
-One line per (strategy, arrival mode) for the strategies in ``--strategies`` (default ConfAdapt tau 0.9 / k_max 4
-and verify k_max 4 as a full tree); the published points are markers only (2.31x at 1 request, 0.26x at 16:
+One line per (strategy, arrival mode) for the strategies in ``--strategies`` (default ConfAdapt tau 0.9 / k_max 4,
+verify k_max 4 as a full tree, and verify:auto, whose width follows the load); the published points are markers only (2.31x at 1 request, 0.26x at 16:
 nothing in between was published, so nothing is drawn in between). PNG export needs plotly + kaleido with
 Chrome/Chromium (``BROWSER_PATH``, default /usr/bin/chromium when it exists); ``.svg`` or ``.pdf`` outputs use
 the same exporter. ``--cpu`` plots the ratios of rates over the bench's CPU seconds instead of wall-clock
@@ -23,9 +23,11 @@ from pathlib import Path
 PUBLISHED_SGLANG = ((1, 2.31), (16, 0.26))
 PUBLISHED_LABEL = "authors' SGLang fork (published)"
 CHROMIUM = "/usr/bin/chromium"
-NAMES = {"confadapt:0.9:4": "ConfAdapt tau 0.9, k_max 4", "verify:4:full": "verify k_max 4, full tree"}
-SHORT = {"confadapt:0.9:4": "ConfAdapt 0.9 / k_max 4", "verify:4:full": "verify k_max 4 full tree"}
-COLORS = {"confadapt:0.9:4": "#1f77b4", "verify:4:full": "#2ca02c"}
+NAMES = {"confadapt:0.9:4": "ConfAdapt tau 0.9, k_max 4", "verify:4:full": "verify k_max 4, full tree",
+         "verify:4:auto": "verify:auto, k_max ≤ 4 (width by load)"}
+SHORT = {"confadapt:0.9:4": "ConfAdapt 0.9 / k_max 4", "verify:4:full": "verify k_max 4 full tree",
+         "verify:4:auto": "verify:auto k_max ≤ 4"}
+COLORS = {"confadapt:0.9:4": "#1f77b4", "verify:4:full": "#2ca02c", "verify:4:auto": "#d62728"}
 DASH = {"together": "solid", "staggered": "dash"}
 
 
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("report", nargs="?", default="docs/concurrency.json", help="model.bench --concurrency JSON")
     p.add_argument("--out", default="docs/concurrency.png", help="image file (.png, .svg or .pdf)")
-    p.add_argument("--strategies", default="confadapt:0.9:4,verify:4:full")
+    p.add_argument("--strategies", default="confadapt:0.9:4,verify:4:full,verify:4:auto")
     p.add_argument("--markdown", action="store_true", help="also print the README's table (markdown)")
     p.add_argument("--cpu", action="store_true",
                    help="plot the ratios of rates over CPU seconds (ratio_to_standard_cpu; a loaded machine)")
