@@ -156,11 +156,12 @@ class SessionRuns:
                 queue[0].started.set()
 
     def _earlier_missing(self, session: str, seq: int | None) -> bool:
-        """(Lock held.) A message the page numbered before ``seq`` has not reached the server yet."""
-        seen = self._arrived.get(session)
-        if seq is None or not seen:
+        """(Lock held.) A message the page numbered before ``seq`` has not reached the server yet (the page numbers
+        from 1: a session's first event may be its message 2, with message 1 still on its way)."""
+        if seq is None:
             return False
-        return any(n not in seen for n in range(min(seen), seq))
+        seen = self._arrived.get(session, set())
+        return any(n not in seen for n in range(1, seq))
 
     def enter(self, session: str | None, seq: int | None = None) -> RunTicket | None:
         """A ticket for a new message in ``session``: already started when the session is idle, else waiting

@@ -108,6 +108,16 @@ def test_messages_keep_the_order_they_were_sent_in_when_their_events_arrive_reve
     runs.promote("s")
     assert seventh.started.is_set()
     seventh.release()
+    # a session's very first event may be its second message: the page numbers from 1, so message 1 is on its way
+    runs.arrive("u", 2)
+    second = runs.enter("u", 2)
+    assert not second.started.is_set()
+    runs.arrive("u", 1)
+    first = runs.enter("u", 1)
+    assert first.started.is_set() and not second.started.is_set()
+    first.release()
+    assert second.started.is_set()
+    second.release()
     # messages without numbers (API tools, tests) keep their arrival order
     a, b = runs.enter("t"), runs.enter("t")
     assert a.started.is_set() and not b.started.is_set()
