@@ -39,7 +39,7 @@ from .loaded_model import LoadedModel
 from .phases import (Acceptance, PassLayout, accept, accept_drafts, accept_sampled, check_context_budget, check_finite,
                      commit, cut_at_stop_string, cut_broken_utf8, lay_out, propose, sync, trim)
 from .records import GenerationResult, PassRecord, acceptance_by_position
-from .sampling import GREEDY, Sampling, TokenSampler
+from .sampling import GREEDY, Sampling, TokenSampler, model_distribution
 from .strategies import Strategy, check_max_new_tokens
 from .text import open_utf8_bytes, text_bytes
 
@@ -230,15 +230,17 @@ class Decoder:
             if self.sampler is None:
                 greedy, conf = propose(logits, lm.mask_token_id)
             else:
-                probs = self.sampling.probabilities(check_finite(logits.float()), lm.mask_token_id)
+                logits = check_finite(logits.float())
+                probs = self.sampling.probabilities(logits, lm.mask_token_id)
+                model_probs = model_distribution(logits, lm.mask_token_id)
         except NonFiniteLogitsError:
             self.done = True
             raise
         if self.sampler is None:
             acc = accept(lm, s, self.generated, layout, greedy, conf, drafts)
         else:
-            greedy, conf, acc = accept_sampled(lm, s, self.generated, layout, probs, drafts, draft_probs,
-                                               self.sampler)
+            greedy, conf, acc = accept_sampled(lm, s, self.generated, layout, probs, model_probs, drafts,
+                                               draft_probs, self.sampler)
         kept, reason, stopped = trim(acc.kept, acc.reason, self.max_new_tokens - len(self.generated), self._stop)
         cut = cut_at_stop_string(lm, self.generated, kept)
         if cut is not None:

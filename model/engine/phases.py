@@ -206,12 +206,14 @@ def accept(lm: LoadedModel, strategy: Strategy, generated: Sequence[int], layout
 
 
 def accept_sampled(lm: LoadedModel, strategy: Strategy, generated: Sequence[int], layout: PassLayout,
-                   probs: torch.Tensor, drafts: Sequence[int], draft_probs: torch.Tensor | None,
-                   sampler: TokenSampler) -> tuple[list[int], list[float], Acceptance]:
+                   probs: torch.Tensor, model_probs: torch.Tensor, drafts: Sequence[int],
+                   draft_probs: torch.Tensor | None, sampler: TokenSampler) -> tuple[list[int], list[float], Acceptance]:
     """The accept phase when sampling (:mod:`model.engine.sampling`).
 
     Block strategies draw a token at the last pending token and at each mask, in order, and keep a leading run
-    as :meth:`Strategy.accept` decides from the drawn tokens' probabilities. Verification accepts drafts by
+    as :meth:`Strategy.accept` decides from the drawn tokens' probabilities under the model's own distribution
+    (``model_probs``, temperature 1: tau means what it means in greedy decoding, and near temperature 0 the rule
+    is greedy ConfAdapt's; a tempered probability is near 1 for every draw there). Verification accepts drafts by
     speculative sampling, then draws the tokens of the mask block after the accepted prefix, if there is one:
     the next pass's drafts, with their distributions (the other blocks are not drawn; their most likely
     tokens are recorded).
@@ -219,17 +221,20 @@ def accept_sampled(lm: LoadedModel, strategy: Strategy, generated: Sequence[int]
     Args:
         probs: ``[layout.logits_to_keep, V]`` sampling distributions at the last pending token, each draft and
             each mask.
+        model_probs: ``[layout.logits_to_keep, V]`` the model's distributions there (softmax of the logits, the
+            mask token excluded): the confidences.
         draft_probs: ``[len(drafts), V]`` the distributions the drafts were drawn from (None without drafts).
 
     Returns:
         ``(tokens, probabilities, acceptance)``: per position the token this pass chose there (at a draft's
         place: the draft if accepted, the replacement at the first rejected one, the most likely token after
         it; at each mask: the drawn token, or the most likely one in a block not drawn) and its probability
-        under that position's distribution.
+        under the model's distribution there (``model_probs``).
     """
     d, m = layout.drafts, layout.masks_per_block
     if not strategy.verifies:
-        tokens, conf = draw_block(sampler, probs)
+        tokens, _ = draw_block(sampler, probs)
+        conf = [float(model_probs[j, t]) for j, t in enumerate(tokens)]
         n, reason = strategy.accept(conf)
         cut = cut_broken_utf8(lm, generated, tokens, n)
         if cut < n:
@@ -243,7 +248,7 @@ def accept_sampled(lm: LoadedModel, strategy: Strategy, generated: Sequence[int]
         nxt_probs = probs[start:start + m]
         nxt, _ = draw_block(sampler, nxt_probs)
         tokens[start:start + m] = nxt
-    conf = [float(probs[j, t]) for j, t in enumerate(tokens)]
+    conf = [float(model_probs[j, t]) for j, t in enumerate(tokens)]
     rejected = a < d
     return tokens, conf, Acceptance(list(drafts[:a]) + [token], "draft rejected" if rejected else "k_max", a,
                                     token if rejected else None, nxt, nxt_probs)

@@ -7,8 +7,9 @@ otherwise:
   the temperature, then the top-k and top-p filters, renormalised; the mask token never).
 * **static k / ConfAdapt**: each proposal drawn from its own position's distribution (the last real token's,
   then each mask's), in block order; static k keeps the first ``k``, ConfAdapt keeps them while the drawn
-  token's probability under its distribution is ≥ tau (the first always). That is the rule greedy ConfAdapt
-  applies to the top-1 probability; the paper decodes greedily only (docs/DESIGN.md says why this rule).
+  token's probability under the model's own distribution there (:func:`model_distribution`: temperature 1,
+  unfiltered) is ≥ tau (the first always). That is the rule greedy ConfAdapt applies to the top-1
+  probability, and near temperature 0 it is that rule; the paper decodes greedily only (docs/DESIGN.md).
 * **lossless verify** (speculative sampling, Leviathan et al. 2023, Chen et al. 2023): the drafts of a pass
   were drawn from the previous pass's mask distributions ``q``; draft ``x`` at its place is accepted with
   probability ``min(1, p(x) / q(x))``, the first rejected one replaced by a draw from the normalised
@@ -158,6 +159,16 @@ class TokenSampler:
     def coin(self, p: float) -> bool:
         """True with probability ``p``."""
         return bool(torch.rand((), generator=self.generator) < p)
+
+
+def model_distribution(logits: torch.Tensor, mask_token_id: int | None = None) -> torch.Tensor:
+    """The model's own distribution at each position, ``[T, V]`` float32: softmax of the logits at temperature 1,
+    unfiltered, the mask token excluded (what greedy confidences are the top of; ConfAdapt compares tau with it
+    under sampling too)."""
+    z = logits.float().clone()
+    if mask_token_id is not None and mask_token_id < z.shape[-1]:
+        z[..., mask_token_id] = float("-inf")
+    return torch.softmax(z, dim=-1)
 
 
 def draw_block(sampler: TokenSampler, probs: torch.Tensor) -> tuple[list[int], list[float]]:

@@ -163,8 +163,24 @@ def test_confadapt_draws_each_proposal_from_its_own_position(tiny64):
     dec = Decoder(tiny64, prompt, static_k(2), 6, Sampling(1.0, seed=1))
     recs = list(dec)
     assert [len(r.kept) for r in recs] == [2, 2, 2]
-    for r in recs:  # a drawn proposal's confidence is its probability under its own distribution
+    for r in recs:  # a drawn proposal's confidence is its probability under the model's distribution
         assert all(0 < c <= 1 for c in r.confidences)
+
+
+def test_confadapt_thresholds_the_models_own_probability_not_the_tempered_one(tiny64):
+    """tau is compared with the drawn token's probability under the model's distribution (softmax at temperature
+    1), whatever the sampling temperature: near temperature 0 the draws are the greedy proposals and ConfAdapt
+    keeps exactly what greedy ConfAdapt keeps (a tempered probability would be ~1 for every draw and keep every
+    proposal); the recorded confidences are the greedy ones."""
+    prompt = tiny64.prompt_ids("Hi there")
+    strategy = confadapt(0.5, 4)
+    greedy = run(tiny64, prompt, strategy, 12)
+    assert {len(p.kept) for p in greedy.passes} != {4}  # tau 0.5 cuts some blocks short
+    cold = run(tiny64, prompt, strategy, 12, Sampling(1e-4, seed=3))
+    assert cold.token_ids == greedy.token_ids
+    assert [len(p.kept) for p in cold.passes] == [len(p.kept) for p in greedy.passes]
+    for a, b in zip(cold.passes, greedy.passes):
+        assert a.confidences == pytest.approx(b.confidences, abs=1e-6)
 
 
 # ----------------------------------------------------------------------------- seeds and greedy
