@@ -164,10 +164,10 @@ def test_a_hub_id_fails_after_the_probe_when_the_hub_does_not_answer(silent_hub,
     """A Hub that does not answer: the load is refused after one probe of HUB_PROBE_SECONDS (it took 69.6 s of
     transformers' retries), naming the endpoint and the reason. Counted, not timed: the silent Hub saw the probe's
     connection and no other (no retries)."""
-    from model.engine import loading
+    from model.engine import loading, sources
     from model.errors import CheckpointError
 
-    monkeypatch.setattr(loading, "HUB_PROBE_SECONDS", 1.0)
+    monkeypatch.setattr(sources, "HUB_PROBE_SECONDS", 1.0)
     with pytest.raises(CheckpointError) as err:
         loading.load_checkpoint("nobody-here/not-a-cached-model")
     silent_hub[0].set()
@@ -178,9 +178,9 @@ def test_a_hub_id_fails_after_the_probe_when_the_hub_does_not_answer(silent_hub,
 def test_chats_keep_running_while_a_hub_load_waits(silent_hub, tiny_registry, monkeypatch):
     """While a hub id waits for the Hub, another session's turn runs to its end; then the load fails with the
     reason, as a message for the page."""
-    from model.engine import loading
+    from model.engine import loading, sources
 
-    monkeypatch.setattr(loading, "HUB_PROBE_SECONDS", 60.0)
+    monkeypatch.setattr(sources, "HUB_PROBE_SECONDS", 60.0)
     release, endpoint, _ = silent_hub
     tiny_loader = tiny_registry._loader
     registry = ModelRegistry(loader=lambda source, **kw: tiny_loader(source, **kw) if source == "tiny"
