@@ -27,8 +27,9 @@ import torch
 from .engine.loading import DEFAULT_SOURCE, load_checkpoint, trained_k_max
 from .engine.sampling import add_sampling_arguments, sampling_from_args
 from .engine.strategies import DEFAULT_K_MAX, check_max_new_tokens, parse_strategies
-from .evaluation.gsm8k import load_problems, make_prompt
+from .evaluation.gsm8k import make_prompt
 from .evaluation.speed import DEFAULT_DATA, DEFAULT_STRATEGIES, DEFAULT_WIDTHS, bench, format_table
+from .training.data import load_examples
 
 
 def _widths(text: str, flag: str = "--widths") -> tuple[int, ...]:
@@ -43,9 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m model.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_SOURCE)
     p.add_argument("--strategies", default=DEFAULT_STRATEGIES)
-    p.add_argument("--prompts", type=int, default=3, help="number of prompts (GSM8K test questions)")
+    p.add_argument("--prompts", type=int, default=3, help="number of prompts (the first of --data)")
     p.add_argument("--data", default=None,
-                   help="GSM8K-format JSONL for prompts (default: assets/gsm8k_test_sample.jsonl)")
+                   help="JSONL with question (GSM8K) or prompt rows, e.g. assets/general_prompts_heldout.jsonl "
+                        "(default: assets/gsm8k_test_sample.jsonl)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
     add_sampling_arguments(p)
@@ -106,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         if not arrivals or any(a not in ("together", "staggered") for a in arrivals):
             raise ValueError(f"--arrivals must be together and/or staggered, got {args.arrivals!r}.")
         data = args.data or str(DEFAULT_DATA)
-        prompts = [make_prompt(p["question"]) for p in load_problems(data, args.prompts)]
+        if args.prompts < 1:
+            raise ValueError(f"--prompts must be ≥ 1, got {args.prompts}.")
+        prompts = [make_prompt(ex.prompt) for ex in load_examples(data, need_response=False, limit=args.prompts)]
         if args.threads is not None:
             torch.set_num_threads(args.threads)
         lm = load_checkpoint(args.model, device=args.device, dtype=args.dtype, adapter=not args.no_adapter)

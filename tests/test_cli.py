@@ -362,7 +362,9 @@ def test_bench_cli_on_smollm2(tmp_path, capsys, dtype):
     """What every CPU gives: standard decoding equals HF ``generate`` token for token in float32; in bf16 our
     kernels sum in their own order (not oneDNN's), so only verify == standard (rows exact) is promised there."""
     data = tmp_path / "q.jsonl"
-    data.write_text(json.dumps({"question": "What is 3 + 4?", "answer": "3 + 4 = 7\n#### 7"}) + "\n")
+    row = {"question": "What is 3 + 4?", "answer": "3 + 4 = 7\n#### 7"} if dtype == "float32" else {
+        "prompt": "What is 3 + 4?"}  # GSM8K rows or prompt rows
+    data.write_text(json.dumps(row) + "\n")
     out = tmp_path / "bench.json"
     assert bench_cli.main(["--data", str(data), "--prompts", "1", "--repeats", "1", "--max-new-tokens", "4", "--widths", "1,2",
                            "--width-repeats", "1", "--no-bandwidth", "--no-llama-cpp", "--strategies", "standard,verify:2", "--threads", "1",
