@@ -15,6 +15,7 @@ Bad options or data exit with status 2 and one ``error:`` line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from typing import Sequence
@@ -62,6 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     sweep = run_sweep(lm, prompts, strategies, max_new_tokens=args.max_new_tokens)
+    each = f" (first {args.limit} each)" if args.limit else ""
+    sweep = dataclasses.replace(sweep, data=" + ".join(args.data) + each)  # the prompts' files, for the record
     print(f"{len(prompts)} prompts x {args.max_new_tokens} tokens, {lm.dtype_name}, {time.perf_counter() - t0:.0f} s")
     print(f"{'strategy':<24} {'eff. k':>7} {'identical':>10} {'NLL':>7}  acceptance by draft position")
     for p in sweep.points:

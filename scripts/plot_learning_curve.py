@@ -1,7 +1,7 @@
 """Plot a training run's learning curve: held-out agreement at mask positions (``python -m model.heldout`` over the
 run's exports, one JSON per domain) against the sequences trained on, beside the training log's own agreement.
 
-    .venv/bin/python scripts/plot_learning_curve.py --log runs/v5/train_log.jsonl \\
+    .venv/bin/python scripts/plot_learning_curve.py --train-log runs/v5/train_log.jsonl \\
         --heldout general=runs/v5/curve_general.json gsm8k=runs/v5/curve_gsm8k.json \\
         --start assets/smollm2-135m-mtp --out assets/smollm2-135m-mtp/learning_curve.png
 
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for bad input or a failed export)."""
     p = argparse.ArgumentParser(prog="scripts/plot_learning_curve.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--heldout", nargs="+", required=True, metavar="NAME=REPORT.json")
-    p.add_argument("--log", default=None, help="the run's train_log.jsonl")
+    p.add_argument("--train-log", default=None, help="the run's train_log.jsonl")
     p.add_argument("--start", default=None, help="the model the run continued from (x = 0)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec in args.heldout:
             name, _, path = spec.partition("=")
             curves[name] = curve(json.loads(Path(path).read_text()), args.start)
-        log = log_curve(Path(args.log)) if args.log else None
+        log = log_curve(Path(args.train_log)) if args.train_log else None
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

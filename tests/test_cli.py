@@ -467,6 +467,7 @@ def test_sweep_cli_measures_any_prompts(tiny_dirs, tmp_path, capsys):
                  "--max-new-tokens", "4", "--out", str(out)]) == 0
     sweep = load_sweep(out.parent)
     assert [p.spec for p in sweep.points] == ["standard", "confadapt:0.5:2", "verify:2"] and sweep.n_prompts == 2
+    assert sweep.data == str(data)  # the prompts' file, for the record
     assert sweep.named("verify")[0].agreement_with_standard == 1.0  # lossless
     assert "eff. k" in capsys.readouterr().out
     assert main(["--data", str(tmp_path / "missing.jsonl")]) == 2

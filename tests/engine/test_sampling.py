@@ -264,7 +264,7 @@ def total_variation(a, b) -> float:
 @pytest.mark.slow
 def test_lossless_verify_samples_standard_samplings_distribution_on_smollm2(smollm2_adapter_bf16):
     """SmolLM2 with the shipped adapter, bf16: 600 sampled answers each side (temperature 0.4), the 2nd and 3rd
-    tokens' marginals of lossless verify:3 against standard sampling: total variation < 0.12 (two sets of 600
+    tokens' marginals of lossless verify:2 against standard sampling: total variation < 0.12 (two sets of 600
     standard samples differ by 0.03-0.06 on this prompt, so the bound leaves a margin for sampling noise on any
     CPU). ConfAdapt at tau 0, which keeps every sampled mask proposal and is not lossless, is far off (> 0.3):
     the check can tell."""
@@ -272,9 +272,9 @@ def test_lossless_verify_samples_standard_samplings_distribution_on_smollm2(smol
     prompt = lm.prompt_ids("Write a haiku about autumn.")
     s = Sampling(0.4)
     ref = sampled_marginals(lm, prompt, standard(), 600, s, 0)
-    got = sampled_marginals(lm, prompt, verify(3), 600, s, 10_000)
+    got = sampled_marginals(lm, prompt, verify(2), 600, s, 10_000)
     assert min(len(c) for c in ref) >= 5  # not degenerate: several tokens at each place
     tvs = [total_variation(a, b) for a, b in zip(ref, got)]
     assert max(tvs) < 0.12, tvs
-    lossy = sampled_marginals(lm, prompt, confadapt(0.0, 3), 200, s, 20_000)
+    lossy = sampled_marginals(lm, prompt, confadapt(0.0, 3), 100, s, 20_000)
     assert max(total_variation(a, b) for a, b in zip(ref, lossy)) > 0.3

@@ -21,14 +21,15 @@ def test_the_shipped_sweep_loads_parsed_and_keeps_its_file_format(tmp_path):
     raw = json.loads((SHIPPED / SWEEP_FILE).read_text())
     sweep = load_sweep(SHIPPED)
     assert sweep == Sweep.from_dict(raw) and sweep.to_dict() == raw  # the file format, key for key
-    assert (sweep.model, sweep.n_prompts, sweep.max_new_tokens, sweep.dtype) == ("smollm2-135m", 5, 128, "float32")
+    assert (sweep.model, sweep.n_prompts, sweep.max_new_tokens, sweep.dtype) == ("smollm2-135m", 10, 128, "bfloat16")
+    assert sweep.data == "assets/gsm8k_test_sample.jsonl + assets/general_prompts_heldout.jsonl (first 5 each)"
     assert [p.spec for p in sweep.points] == ["standard", "confadapt:0.5:4", "confadapt:0.7:4", "confadapt:0.9:4",
                                               "confadapt:0.99:4", "verify:4", "verify:4:full"]
     linear, full = sweep.named("verify")
     assert linear.strategy == Verify(k_max=4) and (linear.layout, linear.linear_verify) == ("linear", True)
     assert full.strategy == verify(4, "full") and (full.layout, full.linear_verify) == ("full", False)
     assert full.label == "lossless verify k_max=4, full tree" and full.acceptance_by_position == (
-        0.654320987654321, 0.45041322314049587, 0.2809917355371901)
+        0.624113475177305, 0.38859180035650626, 0.20357142857142857)
     ca = sweep.named("confadapt")
     assert [p.tau for p in ca] == [0.5, 0.7, 0.9, 0.99] and {p.k_max for p in ca} == {4}
     assert all(isinstance(p.strategy, ConfAdapt) and p.layout is None and not p.linear_verify for p in ca)
@@ -41,7 +42,7 @@ def test_the_shipped_sweep_loads_parsed_and_keeps_its_file_format(tmp_path):
 
 def test_verify_acceptance_is_the_linear_lossless_point_at_that_k_max():
     sweep = load_sweep(SHIPPED)
-    assert verify_acceptance(sweep, 4) == [0.7182320441988951, 0.49171270718232046, 0.31843575418994413]
+    assert verify_acceptance(sweep, 4) == [0.687192118226601, 0.4034653465346535, 0.21890547263681592]
     assert verify_acceptance(sweep, 8) is None and verify_acceptance(None, 4) is None
     only_full = Sweep(None, None, None, None, None, (SweepPoint(verify(4, "full"), 1.5,
                                                                 acceptance_by_position=(0.9, 0.5, 0.1)),))
