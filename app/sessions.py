@@ -192,10 +192,13 @@ class SessionRuns:
             return ticket
 
     def promote(self, session: str | None) -> None:
-        """Start the first message of an idle session that was held for an earlier one that never arrived."""
+        """Start the first message of an idle session that was held for an earlier one that never arrived (the
+        numbers before it are then given up: a later message does not wait for them again)."""
         with self._lock:
             queue = self._queues.get(session) if session is not None else None
             if queue and not any(t.started.is_set() for t in queue):
+                if queue[0].seq is not None:
+                    self._arrived.setdefault(session, set()).update(range(1, queue[0].seq))
                 queue[0].started.set()
 
     def begin(self, session: str | None) -> RunTicket | None:
