@@ -112,12 +112,12 @@ def test_tradeoff_figure_labels_taus_marks_lossless_tau_and_the_sessions_answers
 
 
 def test_tradeoff_labels_at_one_place_are_one_label_and_right_hand_labels_go_left():
-    """The shipped sweep: tau 0.5 and 0.7 sit at nearly the same point (effective k 2.389 and 2.392, both 0%
-    identical): one label "0.5, 0.7"; labels right of the middle sit left of their point ("k_max 4 full" was
-    clipped at 390 px; the browser test checks the drawn boxes)."""
+    """v4's shipped sweep (kept in tests/data): tau 0.5 and 0.7 sit at nearly the same point (effective k 2.389
+    and 2.392, both 0% identical): one label "0.5, 0.7"; labels right of the middle sit left of their point
+    ("k_max 4 full" was clipped at 390 px; the browser test checks the drawn boxes)."""
     from tests.conftest import ROOT
 
-    sweep = load_sweep(ROOT / "assets" / "smollm2-135m-mtp")
+    sweep = load_sweep(ROOT / "tests" / "data" / "sweep_v4")
     fig = tradeoff.tradeoff_figure(sweep, tau=0.9, k_max=4)
     curve = next(t for t in fig.data if t.name == "ConfAdapt k_max=4 (tau)")
     assert list(curve.text) == ["0.99", "0.9", "0.5, 0.7", ""]
