@@ -88,9 +88,7 @@ class Sampling:
         """
         if self.greedy:
             raise ValueError("Greedy decoding (temperature 0) has no sampling distribution.")
-        z = logits.float() / self.temperature
-        if mask_token_id is not None and mask_token_id < z.shape[-1]:
-            z[..., mask_token_id] = float("-inf")
+        z = _without_mask(logits.float() / self.temperature, mask_token_id)
         if self.top_k and self.top_k < z.shape[-1]:
             kth = torch.topk(z, self.top_k, dim=-1).values[..., -1:]
             z = z.masked_fill(z < kth, float("-inf"))
@@ -165,10 +163,14 @@ def model_distribution(logits: torch.Tensor, mask_token_id: int | None = None) -
     """The model's own distribution at each position, ``[T, V]`` float32: softmax of the logits at temperature 1,
     unfiltered, the mask token excluded (what greedy confidences are the top of; ConfAdapt compares tau with it
     under sampling too)."""
-    z = logits.float().clone()
+    return torch.softmax(_without_mask(logits.float().clone(), mask_token_id), dim=-1)
+
+
+def _without_mask(z: torch.Tensor, mask_token_id: int | None) -> torch.Tensor:
+    """``z`` (logits, modified in place) with the mask token's set to -inf: it is never drawn nor counted."""
     if mask_token_id is not None and mask_token_id < z.shape[-1]:
         z[..., mask_token_id] = float("-inf")
-    return torch.softmax(z, dim=-1)
+    return z
 
 
 def draw_block(sampler: TokenSampler, probs: torch.Tensor) -> tuple[list[int], list[float]]:
