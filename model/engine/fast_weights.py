@@ -3,11 +3,8 @@
 Everything here runs once per model (at load, and again when the weights change); the per-pass
 computation is :mod:`model.engine.fast_forward`. What packing does:
 
-* **checks** that the fast path computes what transformers computes for this model
-  (:func:`check_supported`): ``LlamaForCausalLM``, ``MistralForCausalLM`` (no sliding window),
-  ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` — SiLU MLP, RMSNorm, rotary embeddings, optional q/k/v
-  biases, Qwen3's q/k norms — unquantised, on one device, with at most one active LoRA adapter
-  without DoRA / LoRA bias and not merged. Anything else raises :class:`~model.errors.Unsupported`.
+* **reads** the model through :func:`model.engine.model_reader.read_model` (the checks our kernels share: what
+  it refuses raises :class:`~model.errors.Unsupported`);
 * **projections**: on a CPU with oneDNN in bfloat16, q|k|v and gate|up are stacked into one matrix
   each and every projection and the output embedding are **prepacked** into oneDNN's blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``): a pass reads each weight once, through the kernel
@@ -23,7 +20,6 @@ computation is :mod:`model.engine.fast_forward`. What packing does:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -31,15 +27,14 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import Unsupported
-
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-
+from .model_reader import LayerRead, Projection, read_model
 
 # --------------------------------------------------------------------------------- matrices
 #: Most rows a prepacked oneDNN bf16 product takes. Up to 32 rows it gives ``F.linear``'s bits on every CPU
 #: measured; above, on CPUs with AMX, oneDNN switches kernels and the bits differ (measured: 33+ rows, one
 #: and two threads). Wider products (a prefill) run ``F.linear`` on the library's own weights instead.
 PACKED_MAX_ROWS = 32
+
 
 class Linear:
     """``y = x W^T (+ b)`` for 2-D ``x`` (``[T, in] -> [T, out]``), W prepacked for oneDNN when ``pack``.
@@ -220,196 +215,53 @@ class PackedModel:
                 or self.adapter_embed is not None or self.head_override is not None)
 
 
-# --------------------------------------------------------------------------------- reading the model
-def unwrap(model: Any) -> tuple[Any, Any | None]:
-    """(the transformers model, the peft model or None)."""
-    from peft import PeftModel
-
-    if isinstance(model, PeftModel):
-        return model.get_base_model(), model
-    return model, None
-
-
-def check_supported(hf: Any, peft_model: Any | None) -> str | None:
-    """Check that the fast path can run this model; returns the active adapter's name (None without).
-
-    Raises:
-        Unsupported: the architecture, weights or adapter are outside the fast path (module docstring).
-    """
-    cfg = hf.config
-    arch = getattr(cfg, "model_type", None)
-    if arch not in ARCHITECTURES:
-        raise Unsupported(f"architecture {arch!r} (fast path: {', '.join(ARCHITECTURES)})")
-    if getattr(hf, "is_quantized", False) or getattr(cfg, "quantization_config", None) is not None:
-        raise Unsupported("quantized weights")
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        raise Unsupported(f"activation {cfg.hidden_act!r}")
-    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
-        raise Unsupported("pretraining_tp > 1")
-    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
-        raise Unsupported("sliding-window attention layers")
-    if arch == "mistral" and getattr(cfg, "sliding_window", None):
-        raise Unsupported("sliding-window attention")
-    devices = {p.device for p in hf.parameters()}
-    if len(devices) != 1 or next(iter(devices)).type == "meta":
-        raise Unsupported("weights spread over several devices or offloaded")
-    if peft_model is None:
-        return None
-    active = list(getattr(peft_model, "active_adapters", []) or [])
-    if len(active) != 1:
-        raise Unsupported(f"{len(active)} active adapters (fast path: one)")
-    pcfg = peft_model.peft_config[active[0]]
-    ptype = getattr(pcfg, "peft_type", None)
-    if ptype is None or str(getattr(ptype, "value", ptype)) != "LORA":
-        raise Unsupported(f"peft type {ptype} (fast path: LoRA)")
-    for name, mod in peft_model.named_modules():
-        if type(mod).__name__ == "ModulesToSaveWrapper":
-            raise Unsupported(f"peft modules_to_save ({name})")
-    return active[0]
-
-
-def _base_linear(mod: Any) -> tuple[torch.nn.Linear, Any | None]:
-    """(the plain nn.Linear, the peft LoRA layer or None) of a projection."""
-    if isinstance(mod, torch.nn.Linear) and type(mod) is torch.nn.Linear:
-        return mod, None
-    base = getattr(mod, "base_layer", None)
-    if base is not None and hasattr(mod, "lora_A"):
-        if type(base) is not torch.nn.Linear:
-            raise Unsupported(f"a LoRA layer over {type(base).__name__} (quantized or custom) is not supported")
-        return base, mod
-    raise Unsupported(f"projection of type {type(mod).__name__} is not supported")
-
-
-def lora_factors(layer: Any | None, adapter: str | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(A [r, in], B [out, r] * scaling)`` of peft LoRA layer ``layer`` for ``adapter`` (detached), or None
-    when the projection has no such adapter.
-
-    Raises:
-        Unsupported: a merged adapter, DoRA, LoRA biases, or dropout in training mode.
-    """
-    if adapter is None or layer is None or adapter not in layer.lora_A:
-        return None
-    if getattr(layer, "merged", False):
-        raise Unsupported("the LoRA adapter is merged into the base weights")
-    if layer.use_dora.get(adapter, False):
-        raise Unsupported("DoRA adapters are not supported")
-    if getattr(layer, "lora_bias", {}).get(adapter, False):
-        raise Unsupported("LoRA biases are not supported")
-    if not isinstance(layer.lora_dropout[adapter], torch.nn.Identity) and layer.training:
-        raise Unsupported("LoRA dropout in training mode")
-    return layer.lora_A[adapter].weight.detach(), layer.lora_B[adapter].weight.detach() * layer.scaling[adapter]
-
-
-def _lora_delta(members: Sequence[tuple[Any | None, int]], adapter: str | None, dtype: torch.dtype,
-                pack: bool) -> LoraDelta | None:
-    """The :class:`LoraDelta` of a projection group from its members' ``(peft LoRA layer or None,
-    out_features)``; None when no member has the adapter."""
-    if adapter is None:
-        return None
+# --------------------------------------------------------------------------------- packing
+def _lora_delta(members: Sequence[Projection], dtype: torch.dtype) -> LoraDelta | None:
+    """The :class:`LoraDelta` of a projection group; None when no member has the adapter."""
     parts, offset = [], 0
-    for layer, out_f in members:
-        factors = lora_factors(layer, adapter)
-        if factors is not None:
-            parts.append((*factors, offset))
-        offset += out_f
+    for m in members:
+        if m.lora is not None:
+            parts.append((*m.lora, offset))
+        offset += m.out_features
     if not parts:
         return None
     # peft keeps the adapter of a bf16/fp16 model in float32 (autocast_adapter_dtype) and so do we: closer to
     # peft's logits (143 of 144 mask-row argmaxes equal on SmolLM2 against 139 with bf16 factors) and no
     # slower (MKL's float32 kernels beat oneDNN's bf16 ones on matrices this small).
-    return LoraDelta(parts, [n for _, n in members], torch.float32 if dtype in (torch.bfloat16, torch.float16)
-                     else dtype)
+    return LoraDelta(parts, [m.out_features for m in members],
+                     torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype)
 
 
-def _token_override(module: Any, adapter: str | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """peft trainable-token rows (``(indices, rows)``) that differ from the base weight's rows, or None."""
-    layer = getattr(module, "token_adapter", None)
-    if layer is None or adapter is None or adapter not in getattr(layer, "trainable_tokens_delta", {}):
-        return None
-    idx = torch.tensor(layer.token_indices[adapter], dtype=torch.long, device=layer.base_layer.weight.device)
-    w = layer.base_layer.weight
-    rows = layer.trainable_tokens_delta[adapter].detach().to(w.dtype)
-    if torch.equal(rows, w.detach()[idx]):
-        return None
-    return idx, rows
+def _pack_layer(layer: LayerRead, dtype: torch.dtype, pack: bool, stack: bool) -> PackedLayer:
+    def group(name: str) -> ProjGroup:
+        members = layer.groups[name]
+        return ProjGroup([m.weight for m in members], [m.bias for m in members], pack, stack,
+                         _lora_delta(members, dtype))
 
-
-def _plain(module: Any) -> Any:
-    """The wrapped embedding / lm_head module under peft's trainable-token wrapper."""
-    layer = getattr(module, "token_adapter", None)
-    return layer.base_layer if layer is not None else module
-
-
-def _pack_layer(layer: Any, adapter: str | None, dtype: torch.dtype, pack: bool, stack: bool) -> PackedLayer:
-    att, mlp = layer.self_attn, layer.mlp
-    if type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLUActivation", "SiLU"):
-        raise Unsupported(f"MLP activation {type(getattr(mlp, 'act_fn', None)).__name__}")
-    for name in ("input_layernorm", "post_attention_layernorm"):
-        if not hasattr(getattr(layer, name), "variance_epsilon"):
-            raise Unsupported(f"{name} is not an RMSNorm")
-    (q, ql), (k, kl), (v, vl), (o, ol) = (_base_linear(getattr(att, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    (g, gl), (u, ul), (d, dl) = (_base_linear(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
-
-    def group(mods: Sequence[tuple[torch.nn.Linear, Any | None]]) -> ProjGroup:
-        lora = _lora_delta([(peft_layer, lin.out_features) for lin, peft_layer in mods], adapter, dtype, pack)
-        return ProjGroup([lin.weight for lin, _ in mods], [lin.bias for lin, _ in mods], pack, stack, lora)
-
-    qn, kn = getattr(att, "q_norm", None), getattr(att, "k_norm", None)
-    return PackedLayer(
-        ln1=layer.input_layernorm.weight.detach(), ln2=layer.post_attention_layernorm.weight.detach(),
-        qkv=group([(q, ql), (k, kl), (v, vl)]), o=group([(o, ol)]), gate_up=group([(g, gl), (u, ul)]),
-        down=group([(d, dl)]),
-        q_norm=qn.weight.detach() if qn is not None else None, k_norm=kn.weight.detach() if kn is not None else None,
-    )
+    return PackedLayer(ln1=layer.ln1, ln2=layer.ln2, qkv=group("qkv"), o=group("o"), gate_up=group("gate_up"),
+                       down=group("down"), q_norm=layer.q_norm, k_norm=layer.k_norm)
 
 
 @torch.no_grad()
 def pack_model(model: Any) -> PackedModel:
-    """Pack ``model`` (a transformers model, or a peft model wrapping one) for the fast forward pass.
+    """Pack ``model`` (a transformers model, or a peft model wrapping one) for the fast forward pass, from what
+    :func:`model.engine.model_reader.read_model` reads.
 
     Raises:
-        Unsupported: the model is outside what the fast path computes exactly (module docstring).
+        Unsupported: the model is outside what the fast path computes exactly (:mod:`model.engine.model_reader`).
     """
-    hf, peft_model = unwrap(model)
-    adapter = check_supported(hf, peft_model)
-    cfg = hf.config
-    device = next(hf.parameters()).device
-    dtype = _plain(hf.get_input_embeddings()).weight.dtype
-    if not dtype.is_floating_point:
-        raise Unsupported(f"dtype {dtype}")
+    read = read_model(model)
+    dtype, device = read.dtype, read.device
     pack = device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
     # Stacked q|k|v and gate|up give bit-identical results with oneDNN's prepacked bf16 kernels (tested);
     # MKL's float32 GEMV rounds a stacked matrix differently, so on the CPU in float32/float64 the
     # projections stay separate and the pass equals transformers' bit for bit.
     stack = pack or device.type == "cuda"
-    inner = hf.model
-    num_heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-    layers = [_pack_layer(layer, adapter, dtype, pack, stack) for layer in inner.layers]
-    emb_mod, head_mod = hf.get_input_embeddings(), hf.get_output_embeddings()
-    head = _plain(head_mod)
-    if getattr(head, "bias", None) is not None:
-        raise Unsupported("an output embedding with bias")
-    embed = _plain(emb_mod).weight.detach()
-    embed_override = _token_override(emb_mod, adapter)
-    adapter_embed = embed.index_copy(0, *embed_override) if embed_override is not None else None
-    lm_head = Linear(head.weight, None, pack)
-    if peft_model is not None:  # every LoRA layer of the model must be one this pass applies
-        lora_layers = sum(1 for m in peft_model.modules() if hasattr(m, "lora_A") and adapter in m.lora_A)
-        used = sum(g.lora.num_members for layer in layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                   if g.lora is not None)
-        if lora_layers != used:
-            raise Unsupported(f"LoRA on {lora_layers - used} module(s) outside the attention and MLP projections")
-    adapter_kind = None
-    if peft_model is not None:
-        adapter_kind = "alora" if getattr(peft_model.peft_config[adapter], "alora_invocation_tokens", None) else "lora"
+    lm_head = Linear(read.head, None, pack)
     return PackedModel(
-        source=model, device=device, dtype=dtype, num_heads=num_heads,
-        kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
-        eps=float(cfg.rms_norm_eps),
-        scaling=float(getattr(inner.layers[0].self_attn, "scaling", head_dim ** -0.5)) if len(inner.layers)
-        else head_dim ** -0.5,
-        max_positions=getattr(cfg, "max_position_embeddings", None), rotary=inner.rotary_emb, layers=layers,
-        norm=inner.norm.weight.detach(), embed=embed, adapter_embed=adapter_embed, lm_head=lm_head,
-        head_override=_token_override(head_mod, adapter), adapter_kind=adapter_kind, packed=pack and lm_head.packed,
+        source=model, device=device, dtype=dtype, num_heads=read.num_heads, kv_heads=read.kv_heads,
+        head_dim=read.head_dim, eps=read.eps, scaling=read.scaling, max_positions=read.max_positions,
+        rotary=read.rotary, layers=[_pack_layer(layer, dtype, pack, stack) for layer in read.layers],
+        norm=read.norm, embed=read.embed, adapter_embed=read.adapter_embed, lm_head=lm_head,
+        head_override=read.head_override, adapter_kind=read.adapter_kind, packed=pack and lm_head.packed,
     )

@@ -1,7 +1,7 @@
 """The forward pass on our CPU kernels (:mod:`model.engine.kernels`): one C++ call per pass.
 
 :meth:`model.engine.loaded_model.LoadedModel.forward` runs decoding passes here when the model is on the CPU in
-bfloat16 or float32, the fast path supports it (:func:`model.engine.fast_weights.check_supported`) and
+bfloat16 or float32, the model reader accepts it (:func:`model.engine.model_reader.read_model`) and
 ``MTP_KERNELS`` is not ``off`` (:func:`model.engine.kernels.status`). What it guarantees, tested in
 ``tests/engine/test_kernels.py``:
 
@@ -30,9 +30,9 @@ import torch.nn.functional as F
 
 from ..errors import Unsupported
 from . import kernels as K
-from .fast_weights import _base_linear, _plain, _token_override, check_supported, lora_factors, unwrap
 from .fast_forward import RotaryTable
 from .kv_cache import INITIAL_CAPACITY, KVCache
+from .model_reader import LayerRead, ModelRead, Projection, read_model
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -115,26 +115,18 @@ class KernelForward:
     """
 
     def __init__(self, model: Any, isa: str, lib: ctypes.CDLL, emulated: bool = False):
-        hf, peft_model = unwrap(model)
-        adapter = check_supported(hf, peft_model)
-        device = next(hf.parameters()).device
-        if device.type != "cpu":
-            raise Unsupported(f"our kernels run on the CPU (model on {device.type})")
-        emb_mod, head_mod = hf.get_input_embeddings(), hf.get_output_embeddings()
-        dtype = _plain(emb_mod).weight.dtype
-        if dtype not in DTYPES:
-            raise Unsupported(f"our kernels compute bfloat16 or float32 (model in {dtype})")
-        cfg, inner = hf.config, hf.model
+        read = read_model(model)
+        if read.device.type != "cpu":
+            raise Unsupported(f"our kernels run on the CPU (model on {read.device.type})")
+        if read.dtype not in DTYPES:
+            raise Unsupported(f"our kernels compute bfloat16 or float32 (model in {read.dtype})")
+        if read.head_dim > 512 or read.head_dim % 2:
+            raise Unsupported(f"head_dim {read.head_dim}")
         self.source, self.isa, self.lib, self.emulated = model, isa, lib, emulated
-        self.device, self.dtype = device, dtype
-        heads = cfg.num_attention_heads
-        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        kv = getattr(cfg, "num_key_value_heads", None) or heads
-        if hd > 512 or hd % 2:
-            raise Unsupported(f"head_dim {hd}")
-        self.kv_heads, self.head_dim, self.num_layers = kv, hd, len(inner.layers)
-        self.max_positions = getattr(cfg, "max_position_embeddings", None)
-        self.rotary_table = RotaryTable(inner.rotary_emb, hd, dtype, device, self.max_positions)
+        self.device, self.dtype, dtype = read.device, read.dtype, read.dtype
+        self.kv_heads, self.head_dim, self.num_layers = read.kv_heads, read.head_dim, len(read.layers)
+        self.max_positions = read.max_positions
+        self.rotary_table = RotaryTable(read.rotary, read.head_dim, dtype, read.device, self.max_positions)
         # bf16 pairs: vdpbf16ps's operands, and also the AMX tiles' layout
         self.layout = 0 if dtype == torch.float32 else (2 if isa in ("avx512bf16", "amx") else 1)
         # The adapter's factors of a bf16 model are stored in bf16 and multiplied in float32 (u = x A^T stays
@@ -145,89 +137,62 @@ class KernelForward:
         if want not in ("bf16", "float32"):
             raise Unsupported(f"MTP_LORA_FACTORS={want!r} (bf16 or float32)")
         self.factor_layout = 1 if dtype == torch.bfloat16 and want == "bf16" else 0
-        self.arena = arena = _Arena(lib)
-        self.adapter_kind = None
-        if peft_model is not None:
-            self.adapter_kind = ("alora" if getattr(peft_model.peft_config[adapter], "alora_invocation_tokens", None)
-                                 else "lora")
-        used = 0
-        layers = (K.Layer * max(1, self.num_layers))()
-        inter = None
-        for i, layer in enumerate(inner.layers):
-            att, mlp = layer.self_attn, layer.mlp
-            if type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLUActivation", "SiLU"):
-                raise Unsupported(f"MLP activation {type(getattr(mlp, 'act_fn', None)).__name__}")
-            mods = {n: _base_linear(getattr(att, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
-            mods.update({n: _base_linear(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj")})
-            inter = mods["gate_proj"][0].out_features
-            L = layers[i]
-            for field, names in (("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",)),
-                                 ("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",))):
-                used += self._linear(getattr(L, field), [mods[n] for n in names], adapter)
-            L.ln1 = arena.f32(layer.input_layernorm.weight)
-            L.ln2 = arena.f32(layer.post_attention_layernorm.weight)
-            qn, kn = getattr(att, "q_norm", None), getattr(att, "k_norm", None)
-            L.q_norm = arena.f32(qn.weight) if qn is not None else None
-            L.k_norm = arena.f32(kn.weight) if kn is not None else None
-        if peft_model is not None:  # every LoRA layer of the model must be one this pass applies
-            lora_layers = sum(1 for m in peft_model.modules() if hasattr(m, "lora_A") and adapter in m.lora_A)
-            if lora_layers != used:
-                raise Unsupported(f"LoRA on {lora_layers - used} module(s) outside the attention and MLP projections")
-        head = _plain(head_mod)
-        if getattr(head, "bias", None) is not None:
-            raise Unsupported("an output embedding with bias")
-        self.embed = _plain(emb_mod).weight.detach()
-        override = _token_override(emb_mod, adapter)
-        self.adapter_embed = self.embed.index_copy(0, *override) if override is not None else None
-        self.vocab = head.weight.shape[0]
-        m = self.m = K.Model()
-        m.hidden, m.heads, m.kv_heads, m.head_dim = cfg.hidden_size, heads, kv, hd
-        m.inter, m.layers, m.dtype, m.isa = inter or 0, self.num_layers, DTYPES[dtype], K.ISA_CODES[isa]
-        m.eps = float(cfg.rms_norm_eps)
-        m.scaling = float(getattr(inner.layers[0].self_attn, "scaling", hd ** -0.5)) if self.num_layers else hd ** -0.5
-        self._layers = layers
-        m.layer = ctypes.cast(layers, ctypes.POINTER(K.Layer))
-        m.norm = arena.f32(inner.norm.weight)
-        m.head.w, m.head.n, m.head.k, m.head.layout = (arena.pack(head.weight, self.layout), self.vocab,
-                                                       head.weight.shape[1], self.layout)
-        head_override = _token_override(head_mod, adapter)
-        if head_override is not None:
-            idx, rows = head_override
-            m.head_override.w = arena.pack(rows.to(dtype), self.layout)
-            m.head_override.n, m.head_override.k, m.head_override.layout = rows.shape[0], rows.shape[1], self.layout
+        self.arena = _Arena(lib)
+        self.adapter_kind, self.has_adapter = read.adapter_kind, read.has_adapter
+        self.embed, self.adapter_embed, self.vocab = read.embed, read.adapter_embed, read.head.shape[0]
+        self._layers = (K.Layer * max(1, self.num_layers))()
+        for i, layer in enumerate(read.layers):
+            self._pack_layer(self._layers[i], layer)
+        self.m = self._model_struct(read)
+
+    def _pack_layer(self, out: K.Layer, layer: LayerRead) -> None:
+        """Fill one layer's struct: its four projection groups and its norms (float32 copies kept here)."""
+        for name in ("qkv", "o", "gate_up", "down"):
+            self._linear(getattr(out, name), layer.groups[name])
+        f32 = self.arena.f32
+        out.ln1, out.ln2, out.q_norm, out.k_norm = f32(layer.ln1), f32(layer.ln2), f32(layer.q_norm), f32(layer.k_norm)
+
+    def _model_struct(self, read: ModelRead) -> K.Model:
+        """The model's struct: shapes, the final norm, the output embedding and peft's trained output rows."""
+        arena, layout = self.arena, self.layout
+        m = K.Model()
+        m.hidden, m.heads, m.kv_heads, m.head_dim = read.hidden, read.num_heads, read.kv_heads, read.head_dim
+        m.inter, m.layers, m.dtype, m.isa = read.intermediate, self.num_layers, DTYPES[read.dtype], K.ISA_CODES[self.isa]
+        m.eps, m.scaling = read.eps, read.scaling
+        m.layer = ctypes.cast(self._layers, ctypes.POINTER(K.Layer))
+        m.norm = arena.f32(read.norm)
+        m.head.w, m.head.n, m.head.k, m.head.layout = (arena.pack(read.head, layout), self.vocab, read.head.shape[1],
+                                                       layout)
+        if read.head_override is not None:
+            idx, rows = read.head_override
+            m.head_override.w = arena.pack(rows.to(read.dtype), layout)
+            m.head_override.n, m.head_override.k, m.head_override.layout = rows.shape[0], rows.shape[1], layout
             idx64 = idx.to(torch.int64).contiguous()
             arena.keep.append(idx64)
             m.override_idx = idx64.data_ptr()
-        self.has_adapter = bool(used) or self.adapter_embed is not None or head_override is not None
+        return m
 
-    def _linear(self, out: K.Linear, mods: Sequence[tuple[Any, Any]], adapter: str | None) -> int:
-        """Fill ``out`` for the stacked projections ``mods`` (``(nn.Linear, peft layer or None)``); returns how
-        many carry the adapter."""
+    def _linear(self, out: K.Linear, members: Sequence[Projection]) -> None:
+        """Fill ``out`` for one group of stacked projections and the adapter's members among them."""
         arena = self.arena
-        weights = [lin.weight.detach() for lin, _ in mods]
-        biases = [lin.bias for lin, _ in mods]
-        if any(b is not None for b in biases) and not all(b is not None for b in biases):
-            raise Unsupported("biases on some stacked projections only")
-        w = torch.cat(weights) if len(weights) > 1 else weights[0]
+        w = torch.cat([m.weight for m in members]) if len(members) > 1 else members[0].weight
         out.w, out.n, out.k, out.layout = arena.pack(w.to(self.dtype), self.layout), w.shape[0], w.shape[1], self.layout
-        out.bias = arena.f32(torch.cat([b.detach() for b in biases])) if biases[0] is not None else None
-        members, offset, r0, a_parts = 0, 0, 0, []
-        for lin, layer in mods:
-            factors = lora_factors(layer, adapter)
-            if factors is not None:
-                a, b = factors[0].float(), factors[1].float()
+        out.bias = arena.f32(torch.cat([m.bias for m in members])) if members[0].bias is not None else None
+        count, offset, r0, a_parts = 0, 0, 0, []
+        for m in members:
+            if m.lora is not None:
+                a, b = m.lora[0].float(), m.lora[1].float()
                 a_parts.append(a)
-                out.m_out0[members], out.m_out1[members] = offset, offset + lin.out_features
-                out.m_r0[members], out.m_r1[members] = r0, r0 + a.shape[0]
-                out.m_b[members] = arena.pack(b, self.factor_layout)
+                out.m_out0[count], out.m_out1[count] = offset, offset + m.out_features
+                out.m_r0[count], out.m_r1[count] = r0, r0 + a.shape[0]
+                out.m_b[count] = arena.pack(b, self.factor_layout)
                 r0 += a.shape[0]
-                members += 1
-            offset += lin.out_features
-        out.members, out.rank = members, r0
-        if members:
+                count += 1
+            offset += m.out_features
+        out.members, out.rank = count, r0
+        if count:
             out.lora_a = arena.pack(torch.cat(a_parts), self.factor_layout)
             out.lora_layout = self.factor_layout
-        return members
 
     def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin')`` float32 ``[T, head_dim]`` of the positions (:class:`~model.engine.fast_forward.RotaryTable`)."""
