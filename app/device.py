@@ -164,9 +164,9 @@ class _LockedModel(LoadedModel):
 
     _app_lock: Any = None
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102 - LoadedModel.forward under the lock
+    def forward_batch(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102 - every pass's entry, under the lock
         with self._app_lock:
-            return super().forward(*args, **kwargs)
+            return super().forward_batch(*args, **kwargs)
 
     @contextlib.contextmanager
     def base_model(self) -> Iterator[Any]:  # noqa: D102 - LoadedModel.base_model under the lock

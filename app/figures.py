@@ -177,7 +177,7 @@ def passes_figure(records: Sequence[PassRecord], strategy: Strategy | None) -> d
         validated ``go.Frame`` objects): re-rendered on every streamed update, validating them
         would cost ~2.5 ms per frame.
     """
-    verifies = bool(strategy is not None and strategy.verifies)
+    verifies = bool(strategy is not None and strategy.lossless)
     k_max = strategy.k_max if strategy is not None else 1
     tau = strategy.tau if strategy is not None and strategy.name == "confadapt" else None
     bottom = "Drafts checked, model's token, new drafts" if verifies else "This pass: proposals, confidence"

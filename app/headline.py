@@ -77,7 +77,7 @@ def headline(state: TurnState) -> tuple[str, bool]:
     if not state.turn.sampling.greedy:
         cost, warn = _sampled_cost(state)
     elif state.identical and state.final:
-        cost = "identical answer" + (" (lossless)" if state.strategy.verifies else "")
+        cost = "identical answer" + (" (lossless)" if state.strategy.lossless else "")
     elif parted is None:
         n = min(len(state.standard.token_ids), len(state.mtp.token_ids))
         cost = f"identical so far (the first {n} tokens)"
@@ -108,7 +108,7 @@ def headline(state: TurnState) -> tuple[str, bool]:
 def _sampled_cost(state: TurnState) -> tuple[str, bool]:
     """The headline's cost when both sides sample: the draws differ, so no answer is "identical"; lossless keeps
     standard sampling's distribution, and any strategy's answer is compared by its likelihood under the model."""
-    q, lossless = state.quality, state.strategy.verifies
+    q, lossless = state.quality, state.strategy.lossless
     what = ("lossless: the same distribution as standard sampling, different draws" if lossless
             else "sampled: different draws")
     if q is None or q.gap is None:
@@ -173,7 +173,7 @@ def speed_html(state: TurnState | None) -> str:
     else:
         bits.append(f"effective k {k:.2f}")
     bits.append(f"measured sums (race chart; load spikes skew them): {times_text(sp.raw_ratio)}")
-    verifies = state.turn.strategy.verifies
+    verifies = state.turn.strategy.lossless
     parted = state.parted_at
     sampling = state.turn.sampling
     if not sampling.greedy:
@@ -272,7 +272,7 @@ def summary(state: TurnState | None, *, status: str = "", kind: str = "info") ->
         out["standard"]["timing"] = _timing_dict(sp.standard)
         out["mtp"]["timing"] = _timing_dict(sp.mtp)
         out["headline"], out["warning"] = headline(state)
-    if state.strategy.verifies:
+    if state.strategy.lossless:
         out["mtp"].update({"mean_acceptance_length": round(state.mtp.mean_acceptance_length, 4),
                            "draft_acceptance_rate": state.mtp.draft_acceptance_rate,
                            "acceptance_by_position": state.mtp.acceptance_by_position})

@@ -112,7 +112,7 @@ def turn_outputs(state: TurnState, *, figures_due: bool, first: bool = False) ->
         stats_std=render.counters_html(state.standard, side="standard", label="standard", state=std_state,
                                        timing=sp.standard if sp else None),
         stats_mtp=render.counters_html(state.mtp, side="mtp", label=label, state=mtp_state,
-                                       timing=sp.mtp if sp else None, verifies=state.strategy.verifies),
+                                       timing=sp.mtp if sp else None, verifies=state.strategy.lossless),
         speed=headline.speed_html(state),  # with the counters, in the same update: the headline never lags them
         coloured=render.figure1_html(state.mtp.passes, state.strategy) if draw else gr.skip(),
         figure=figure_html(state, choice_of(state.strategy)) if draw else gr.skip(),

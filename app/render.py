@@ -207,7 +207,7 @@ def _kept_style(kept: int) -> str:
 def _pass_title(rec: PassRecord, strategy: Strategy | None) -> str:
     n = len(rec.kept)
     head = f"forward pass {rec.index + 1}: {n} token{'s' if n != 1 else ''}"
-    if strategy is not None and strategy.verifies:
+    if strategy is not None and strategy.lossless:
         if rec.fed_drafts:
             head += f"; {min(rec.drafts_accepted, n)} of {rec.fed_drafts} drafts accepted"
             head += ", then the model's correction" if rec.correction is not None else ", then the model's next token"

@@ -133,7 +133,7 @@ def prepare_turn(registry: "ModelRegistry", request: TurnRequest, prefixes: "Pre
     sampling = app_sampling(request.temperature, request.top_p, request.seed)
     lm = registry.get(*key)
     strat, chosen = app_strategy(request.strategy, request.tau, request.k_max, request.k, lm.default_k_max), None
-    if strat.verifies:  # the shape is checked only where it is used
+    if strat.lossless:  # the shape is checked only where it is used
         strat, chosen = lossless_strategy(strat, check_shape(request.shape), registry, key, lm)
     turn_messages = engine_messages(hist) + [{"role": "user", "content": text}]
     try:

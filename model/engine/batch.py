@@ -4,7 +4,7 @@ A pass over the weights costs about the same for a few rows as for one, so the n
 generations can share it: each :class:`~model.engine.decoding.Decoder` keeps its own strategy (standard,
 static k, ConfAdapt, verify with any layout), prompt, KV cache, position and ``max_new_tokens``; a step of
 :class:`BatchRunner` concatenates every active decoder's next :class:`~model.engine.decoding.PassLayout`, runs
-them as one pass (:meth:`model.engine.kernel_forward.KernelForward.forward_batch`: each row attends to its
+them as one pass (:meth:`model.engine.loaded_model.LoadedModel.forward_batch` on our kernels: each row attends to its
 own sequence's cache and its own pass's rows, tree masks included), then hands each decoder its logits to
 accept, trim and commit as it would alone. Because every row of our kernels has the bits of a one-row pass,
 each generation's records (kept tokens, proposals, confidences) are identical to running it alone.
@@ -56,7 +56,7 @@ class BatchRunner:
 
     Args:
         lm: the :class:`~model.engine.loaded_model.LoadedModel` every decoder uses; its forward pass must run on
-            our kernels (``lm.fast_engine()`` a :class:`~model.engine.kernel_forward.KernelForward`).
+            our kernels (``lm.backend().shares_passes``).
         max_rows: most rows in one shared pass (a single decoder's pass may exceed it, alone).
         max_sessions: most decoders in one shared pass.
 
@@ -65,10 +65,8 @@ class BatchRunner:
     """
 
     def __init__(self, lm, max_rows: int = MAX_ROWS, max_sessions: int = MAX_SESSIONS):
-        from .kernel_forward import KernelForward
-
-        engine = lm.fast_engine()
-        if not isinstance(engine, KernelForward):
+        engine = lm.backend()
+        if not engine.shares_passes:
             raise ValueError(f"batched passes need our CPU kernels; this model runs on {lm.forward_path}")
         if max_rows < 1 or max_sessions < 1:
             raise ValueError("max_rows and max_sessions must be at least 1")
@@ -127,16 +125,13 @@ class BatchRunner:
         if not chosen:
             self.decoders = [d for d in self.decoders if not d.done]
             return result
-        items = [{"input_ids": torch.tensor([layout.tokens], dtype=torch.long), "cache": d.cache,
-                  "adapter_rows": d.lm._adapter_rows(len(layout.tokens), layout.num_masks),
-                  "logits_to_keep": layout.logits_to_keep, "positions": layout.positions, "visible": layout.visible}
-                 for d, layout in chosen]
+        inputs = [d.pass_input(layout) for d, layout in chosen]
         sync(self.lm.device)
         t0 = time.perf_counter()
-        outs = self.engine.forward_batch(items)
+        outs = self.lm.forward_batch(inputs)
         for (d, layout), logits in zip(chosen, outs):
             try:
-                result.records[d] = d.finish_pass(layout, logits[0], t0)
+                result.records[d] = d.finish_pass(layout, logits, t0)
             except NonFiniteLogitsError as e:
                 d.done = True
                 result.errors[d] = self.errors[d] = e

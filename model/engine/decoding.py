@@ -13,14 +13,16 @@ A forward pass feeds, at ordinary consecutive positions with plain causal attent
 
 1. **propose** (:func:`propose`): greedy token and confidence (top-1 probability, float32, the
    mask token excluded) at the last pending token, at each draft and at each mask;
-2. **accept** (:func:`accept`): block strategies keep a leading run of the block ``[greedy at the
+2. **accept** (the strategy's :meth:`~model.engine.strategies.Strategy.accept_pass`, rules in
+   :mod:`model.engine.acceptance`): block strategies keep a leading run of the block ``[greedy at the
    last real token, mask proposals...]`` (:meth:`Strategy.accept`), cut where a proposal cannot
    continue an open UTF-8 character (:func:`cut_broken_utf8`); verification keeps the drafts equal
    to the model's greedy choice, then the model's own next token (:func:`accept_drafts`);
 3. **trim** (:func:`trim`, :func:`cut_at_stop_string`): up to and including the first stop token (or
    the token that completes a stop string), never past ``max_new_tokens``;
 4. **commit** (:func:`commit`): crop the KV cache back to the real tokens that stay valid (never a
-   mask, never a rejected draft); the decoder then records the pass in a :class:`PassRecord`.
+   mask, never a rejected draft; what stays is the strategy's :meth:`~model.engine.strategies.Strategy.cached_after`);
+   the decoder then records the pass in a :class:`PassRecord`.
 
 Invariant after every pass: the cache holds exactly ``cached_ids`` and ``cached_ids + pending ==
 prompt + generated``. The app, the evaluation and the benchmark consume pass records only. The phases live in
@@ -36,15 +38,16 @@ import torch
 
 from ..errors import NonFiniteLogitsError
 from .loaded_model import LoadedModel
-from .phases import (Acceptance, PassLayout, accept, accept_drafts, accept_sampled, check_context_budget, check_finite,
-                     commit, cut_at_stop_string, cut_broken_utf8, lay_out, propose, sync, trim)
+from .acceptance import Acceptance, accept_drafts, cut_broken_utf8
+from .phases import (PassLayout, check_context_budget, check_finite, commit, cut_at_stop_string, lay_out, propose, sync,
+                     trim)
 from .records import GenerationResult, PassRecord, acceptance_by_position
 from .sampling import GREEDY, Sampling, TokenSampler, model_distribution
 from .strategies import Strategy, check_max_new_tokens
 from .text import open_utf8_bytes, text_bytes
 
 __all__ = ["Decoder", "run", "generate", "hf_generate", "PREFILL_CHUNK", "PassRecord", "GenerationResult",
-           "acceptance_by_position", "PassLayout", "Acceptance", "lay_out", "propose", "accept", "accept_sampled",
+           "acceptance_by_position", "PassLayout", "Acceptance", "lay_out", "propose",
            "accept_drafts", "trim", "commit", "cut_at_stop_string", "cut_broken_utf8", "check_context_budget",
            "check_finite", "sync"]
 
@@ -190,10 +193,14 @@ class Decoder:
         layout = self.next_layout()
         sync(lm.device)
         t0 = time.perf_counter()
-        ids = torch.tensor([layout.tokens], dtype=torch.long, device=lm.device)
-        logits = lm.forward(ids, self.cache, num_masks=layout.num_masks, logits_to_keep=layout.logits_to_keep,
-                            positions=layout.positions, visible=layout.visible)[0]
+        logits = lm.forward_batch([self.pass_input(layout)])[0]
         return self.finish_pass(layout, logits, t0)
+
+    def pass_input(self, layout: PassLayout) -> Any:
+        """This sequence's :class:`~model.engine.backend.PassInput` for ``layout`` (its KV cache): what
+        :meth:`run_pass` and a batch runner feed :meth:`~model.engine.loaded_model.LoadedModel.forward_batch`."""
+        return self.lm.pass_input(torch.tensor(layout.tokens, dtype=torch.long), self.cache, layout.num_masks,
+                                  layout.logits_to_keep, layout.positions, layout.visible)
 
     def next_layout(self) -> PassLayout:
         """What the next forward pass feeds (:class:`PassLayout`): the pending tokens, the drafts and the mask
@@ -237,15 +244,16 @@ class Decoder:
             self.done = True
             raise
         if self.sampler is None:
-            acc = accept(lm, s, self.generated, layout, greedy, conf, drafts)
+            acc = s.accept_pass(lm, self.generated, layout, greedy, conf, drafts)
         else:
-            greedy, conf, acc = accept_sampled(lm, s, self.generated, layout, probs, model_probs, drafts,
-                                               draft_probs, self.sampler)
+            greedy, conf, acc = s.accept_pass_sampled(lm, self.generated, layout, probs, model_probs, drafts,
+                                                      draft_probs, self.sampler)
         kept, reason, stopped = trim(acc.kept, acc.reason, self.max_new_tokens - len(self.generated), self._stop)
         cut = cut_at_stop_string(lm, self.generated, kept)
         if cut is not None:
             kept, reason, stopped = kept[:cut], "stop string", True
-        in_cache = commit(self.cache, len(layout.tokens), len(self.pending), kept, s.verifies)
+        in_cache = s.cached_after(kept)
+        commit(self.cache, len(layout.tokens), len(self.pending), in_cache)
         sync(lm.device)
         seconds = time.perf_counter() - t0
         if not self.passes:  # the prefill's chunks (prefill_chunk) belong to the first pass
@@ -253,7 +261,7 @@ class Decoder:
 
         self.cached_ids.extend(self.pending + in_cache)
         self.generated.extend(kept)
-        self.pending = kept[-1:] if s.verifies else kept
+        self.pending = s.pending_after(kept)
         self.done = stopped or len(self.generated) >= self.max_new_tokens
         self.drafts = [] if self.done else acc.next_drafts
         self.draft_probs = None if self.done else acc.next_draft_probs
@@ -281,10 +289,8 @@ class Decoder:
             fed_drafts=d, drafts=list(drafts), draft_texts=[decode([t]) for t in drafts], draft_checks=list(greedy[:d]),
             draft_confidences=list(conf[:d]), drafts_accepted=acc.drafts_accepted, correction=acc.correction,
             correction_text=decode([acc.correction]) if acc.correction is not None else "",
-            mask_blocks=list(layout.blocks) if self.strategy.verifies else [],
-            block_proposals=blocks if self.strategy.verifies else [],
-            block_texts=[[decode([t]) for t in b] for b in blocks] if self.strategy.verifies else [],
-            block_confidences=block_conf if self.strategy.verifies else [], next_drafts=list(self.drafts),
+            next_drafts=list(self.drafts),
+            **self.strategy.block_record(layout, blocks, [[decode([t]) for t in b] for b in blocks], block_conf),
         )
 
     def _text_delta(self) -> str:

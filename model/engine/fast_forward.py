@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from .backend import PassInput
 from .fast_weights import PackedLayer, PackedModel, pack_model
 from .kv_cache import INITIAL_CAPACITY, KVCache
 
@@ -111,24 +112,30 @@ class FastForward:
         return ", ".join(parts)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, input_ids: torch.Tensor, cache: KVCache, adapter_rows: int, logits_to_keep: int,
-                positions: Sequence[int] | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
-        """One pass over ``input_ids`` appended to ``cache``.
+    #: The sequences of a batch run one after the other (each pass reads the weights).
+    shares_passes = False
+    kind = "fast"
 
-        Args:
-            input_ids: ``[1, T]`` token ids.
-            cache: a :class:`KVCache` from :meth:`new_cache`; extended by ``T`` entries (in input order,
-                whatever their positions).
-            adapter_rows: how many trailing rows get the adapter's delta (0: the base model).
-            logits_to_keep: trailing positions to return logits for (0: all).
-            positions: each input's position offset after the cache (None: ``0 .. T-1``).
-            visible: ``[T, T]`` bool, which inputs each input attends to besides the cache (None: causal).
+    def forward_batch(self, inputs: Sequence[PassInput]) -> list[torch.Tensor]:
+        """Each :class:`~model.engine.backend.PassInput`'s pass, one after the other: ``[kept_i, V]`` logits in the
+        model's dtype; each cache (a :class:`KVCache` of this engine) extended by its ``T_i`` entries.
 
-        Returns:
-            ``[1, logits_to_keep, V]`` logits in the model's dtype.
+        Raises:
+            ValueError: a cache of another engine.
         """
+        out = []
+        for p in inputs:
+            if not isinstance(p.cache, KVCache) or p.cache.engine is not self:
+                raise ValueError("forward_batch: every cache must come from this engine's new_cache()")
+            out.append(self._forward_one(p.tokens.to(self.device), p.cache, p.adapter_rows, p.kept, p.positions,
+                                         p.visible))
+        return out
+
+    def _forward_one(self, ids: torch.Tensor, cache: KVCache, adapter_rows: int, keep: int,
+                     positions: Sequence[int] | None, visible: torch.Tensor | None) -> torch.Tensor:
+        """One sequence's pass: ``ids`` ``[T]`` appended to ``cache``; ``adapter_rows`` trailing rows get the
+        adapter's delta; returns the last ``keep`` rows' logits ``[keep, V]``."""
         w = self.weights
-        ids = input_ids[0]
         t, pos = ids.shape[0], cache.length
         end = pos + t
         cache.reserve(end)
@@ -158,13 +165,12 @@ class FastForward:
             _, (d,) = layer.down(act, rows)
             x += d
         cache.length = end
-        keep = min(logits_to_keep, t) if logits_to_keep else t
         h = rms_norm(x[-keep:], w.norm, w.eps)
         logits = w.lm_head(h)
         if rows and w.head_override is not None:
             idx, head_rows = w.head_override
             logits[:, idx] = F.linear(h, head_rows)
-        return logits[None]
+        return logits
 
     def _qkv(self, layer: PackedLayer, h: torch.Tensor, rows: int, rope: tuple[torch.Tensor, torch.Tensor]
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

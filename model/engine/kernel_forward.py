@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from ..errors import Unsupported
 from . import kernels as K
 from .fast_forward import RotaryTable
+from .backend import PassInput
 from .kv_cache import INITIAL_CAPACITY, KVCache
 from .model_reader import LayerRead, ModelRead, Projection, read_model
 
@@ -215,66 +216,52 @@ class KernelForward:
             parts.append("aLoRA on mask rows" if self.adapter_kind == "alora" else "LoRA on all rows")
         return ", ".join(parts)
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache, adapter_rows: int, logits_to_keep: int,
-                positions: Sequence[int] | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
-        """One pass over ``input_ids`` ``[1, T]`` appended to ``cache``: the arguments and result of
-        :meth:`model.engine.fast_forward.FastForward.forward` (``[1, logits_to_keep, V]`` logits in the model's
-        dtype), run as a batch of one sequence (:meth:`forward_batch`).
+    #: One pass over the weights for every row of every sequence of a batch.
+    shares_passes = True
+    kind = "kernels"
 
-        Raises:
-            RuntimeError: the kernel refused the shapes.
-        """
-        return self.forward_batch([{"input_ids": input_ids, "cache": cache, "adapter_rows": adapter_rows,
-                                    "logits_to_keep": logits_to_keep, "positions": positions, "visible": visible}])[0]
-
-    def forward_batch(self, items: Sequence[dict]) -> list[torch.Tensor]:
-        """One pass over the pending rows of several sequences: their rows concatenated, weights read once,
-        each row attending to its own sequence's KV cache and its own pass's rows only.
-
-        Each item is a dict with the arguments of :meth:`forward` for one sequence: ``input_ids`` ``[1, T_i]``,
-        ``cache`` (a :class:`KVCache` of this engine), ``adapter_rows``, ``logits_to_keep``, optional
-        ``positions`` and ``visible``. Every row computes what it would in :meth:`forward` alone, bit for bit
-        (the row exactness of our kernels), whatever the other sequences.
+    def forward_batch(self, inputs: Sequence[PassInput]) -> list[torch.Tensor]:
+        """One pass over the rows of several sequences (:class:`~model.engine.backend.PassInput`): their rows
+        concatenated, weights read once, each row attending to its own sequence's KV cache and its own pass's rows
+        only. Every row computes what it would in a batch of one, bit for bit (the row exactness of our kernels),
+        whatever the other sequences.
 
         Returns:
-            One ``[1, logits_to_keep_i, V]`` logits tensor per item (model dtype); each cache extended by
-            ``T_i`` entries.
+            One ``[kept_i, V]`` logits tensor per input (model dtype); each cache extended by ``T_i`` entries.
 
         Raises:
-            ValueError: no items, or a cache of another engine; RuntimeError: the kernel refused the shapes.
+            ValueError: no inputs, or a cache of another engine; RuntimeError: the kernel refused the shapes.
         """
-        if not items:
+        if not inputs:
             raise ValueError("forward_batch needs at least one sequence")
         xs, coss, sins, adapter, keep, kept, vis_bufs, caches = [], [], [], [], [], [], [], []
         row0, poss, caps = [0], [], []
-        for it in items:
-            cache = it["cache"]
+        for p in inputs:
+            cache = p.cache
             if not isinstance(cache, KVCache) or cache.engine is not self:
                 raise ValueError("forward_batch: every cache must come from this engine's new_cache()")
-            ids = it["input_ids"][0]
+            ids = p.tokens
             t, pos = int(ids.shape[0]), cache.length
             cache.reserve(pos + t)
-            rows = min(it.get("adapter_rows", 0), t) if self.has_adapter else 0
+            rows = min(p.adapter_rows, t) if self.has_adapter else 0
             table = self.adapter_embed if rows and self.adapter_embed is not None else self.embed
             xs.append(F.embedding(ids, table).float())
-            positions = it.get("positions")
-            pid = torch.arange(pos, pos + t) if positions is None else torch.tensor(list(positions),
-                                                                                    dtype=torch.long) + pos
+            pid = torch.arange(pos, pos + t) if p.positions is None else torch.tensor(list(p.positions),
+                                                                                      dtype=torch.long) + pos
             c, sn = self._rope(pid)
             coss.append(c)
             sins.append(sn)
             adapter += [0] * (t - rows) + [1] * rows
-            k = it.get("logits_to_keep", 0)
-            k = min(k, t) if k else t
+            k = p.kept
             kept.append(k)
             keep += range(row0[-1] + t - k, row0[-1] + t)
-            vis = it.get("visible")
+            vis = p.visible
             vis_bufs.append(None if vis is None else vis.to(torch.bool).cpu().to(torch.uint8).contiguous())
             row0.append(row0[-1] + t)
             poss.append(pos)
             caps.append(cache.capacity)
             caches.append(cache)
-        n = len(items)
+        n = len(inputs)
         x = torch.cat(xs).contiguous()
         cos, sin = torch.cat(coss).contiguous(), torch.cat(sins).contiguous()
         L = self.num_layers
@@ -297,7 +284,7 @@ class KernelForward:
         for i, k in enumerate(kept):
             caches[i].length = poss[i] + row0[i + 1] - row0[i]
             part = logits[start:start + k]
-            out.append((part if self.dtype == torch.float32 else part.to(self.dtype))[None])
+            out.append(part if self.dtype == torch.float32 else part.to(self.dtype))
             start += k
         return out
 

@@ -18,6 +18,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from .backend import LibraryForward, PassInput
 from .strategies import DEFAULT_K_MAX
 from .text import TokenBytes, chat_prompt_ids, encode_literal
 
@@ -65,25 +66,6 @@ class _FastState:
             self.reason = str(e)
             log.info("Fast forward path not used: %s", e)
         return self.engine
-
-
-def _tree_inputs(t: int, cached: int, positions: Sequence[int] | None, visible: torch.Tensor | None,
-                 dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """transformers' inputs for a pass laid out as a tree: ``position_ids`` ``[1, T]`` and a float 4D
-    ``attention_mask`` ``[1, 1, T, cached + T]`` (0 where attended, the dtype's minimum elsewhere; every
-    input sees the whole cache)."""
-    pos = torch.arange(t) if positions is None else torch.tensor(list(positions))
-    see = torch.ones(t, t, dtype=torch.bool).tril_() if visible is None else visible.to(torch.bool).cpu()
-    see = torch.cat([torch.ones(t, cached, dtype=torch.bool), see], dim=1)
-    mask = torch.zeros(1, 1, t, cached + t, dtype=dtype)
-    mask.masked_fill_(~see[None, None], torch.finfo(dtype).min)
-    return {"position_ids": (pos + cached)[None].to(device), "attention_mask": mask.to(device)}
-
-
-def _is_peft(model: Any) -> bool:
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
 
 
 def _weights_signature(model: Any) -> tuple[int, int, int]:
@@ -204,7 +186,7 @@ class LoadedModel:
         engine = self.fast_engine()
         if engine is not None:
             desc = engine.describe()
-            if not desc.startswith("our kernels"):
+            if engine.kind != "kernels":
                 from .kernels import status
 
                 desc += f" ({self._fast.kernel_note or status().reason})"
@@ -216,15 +198,10 @@ class LoadedModel:
         return f"library path (transformers + peft): {self._fast.reason}"
 
     def new_cache(self) -> Any:
-        """An empty KV cache for :meth:`forward`: a :class:`model.engine.fast_forward.KVCache` on the fast
-        path, else a transformers ``DynamicCache``. Either has ``get_seq_length()``, ``crop(n)`` and
-        ``layers[i].keys`` / ``.values``."""
-        engine = self.fast_engine()
-        if engine is not None:
-            return engine.new_cache()
-        from transformers import DynamicCache
-
-        return DynamicCache(config=getattr(self.model, "config", None))
+        """An empty KV cache for :meth:`forward` from :meth:`backend`: a :class:`model.engine.kv_cache.KVCache` on
+        our kernels and the fast path, else a transformers ``DynamicCache``. Either has ``get_seq_length()``,
+        ``crop(n)`` and ``layers[i].keys`` / ``.values``."""
+        return self.backend().new_cache()
 
     # ------------------------------------------------------------------ prompts
     def prompt_ids(self, messages: str | Sequence[dict]) -> list[int]:
@@ -276,76 +253,96 @@ class LoadedModel:
         return ids
 
     # ---------------------------------------------------------------- forward
-    def _adapter_rows(self, num_tokens: int, num_masks: int) -> int:
-        """Rows of a pass that run through the MTP adapter: the trailing masks for aLoRA, all for LoRA,
-        none without an adapter or inside :meth:`base_model`."""
-        if self.adapter is None or self._fast.adapter_off:
-            return 0
-        return num_masks if self.adapter == "alora" else num_tokens
+    def backend(self) -> Any:
+        """The forward-pass backend of new caches (:mod:`model.engine.backend`): our kernels or the torch fast
+        path when :meth:`fast_engine` builds one, else the library path (transformers + peft)."""
+        return self.fast_engine() or self._library()
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        past_key_values: Any,
-        num_masks: int,
-        logits_to_keep: int,
-        positions: Sequence[int] | None = None,
-        visible: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """One forward pass over ``input_ids`` appended to the KV cache.
+    def _library(self) -> LibraryForward:
+        return LibraryForward(self.model, self.adapter, bool(self._fast.adapter_off), self.dtype, self.device)
 
-        Real tokens run on the base weights with an activated (aLoRA) adapter: only the trailing
-        ``num_masks`` rows get the adapter's delta; a LoRA adapter acts on every row. A cache from
-        :meth:`new_cache` decides the implementation: the fast path (:mod:`model.engine.fast_forward`) for
-        its ``KVCache``, the library path (transformers + peft) for a transformers ``Cache``. Both
-        give the same logits (bit for bit on the base weights; within bf16/fp32 rounding on adapter
-        rows, see the fast path's tests). The fast path runs without autograd.
+    def _backend_of(self, cache: Any) -> Any:
+        """The backend that owns ``cache`` (a fast-path ``KVCache`` names its engine; anything else is the library's).
+
+        Raises:
+            RuntimeError: a ``KVCache`` of another model.
+        """
+        from .kv_cache import KVCache
+
+        if not isinstance(cache, KVCache):
+            return self._library()
+        if cache.engine is None or cache.engine.source is not self.model:
+            raise RuntimeError("This KV cache was made for another model; start a new generation (lm.new_cache()).")
+        return cache.engine
+
+    def pass_input(self, tokens: Any, cache: Any, num_masks: int = 0, logits_to_keep: int = 0,
+                   positions: Sequence[int] | None = None, visible: torch.Tensor | None = None) -> PassInput:
+        """A :class:`~model.engine.backend.PassInput` for one sequence, its adapter rows set: the trailing masks
+        for aLoRA, every row for LoRA, none without an adapter or inside :meth:`base_model`.
 
         Args:
-            input_ids: ``[1, T]`` long tensor: the real tokens not yet cached, then
-                ``num_masks`` mask tokens.
+            tokens: ``[T]`` (or ``[1, T]``) token ids, or a list: real tokens not yet cached, then ``num_masks``
+                mask tokens.
+            cache, num_masks, logits_to_keep, positions, visible: see :class:`~model.engine.backend.PassInput`.
+
+        Raises:
+            ValueError: an empty pass or counts outside the tokens.
+        """
+        inp = PassInput(tokens, cache, num_masks, 0, logits_to_keep, positions, visible)
+        n = int(inp.tokens.shape[0])
+        if self.adapter is not None and not self._fast.adapter_off:
+            inp.adapter_rows = num_masks if self.adapter == "alora" else n
+        return inp
+
+    def forward_batch(self, inputs: Sequence[PassInput]) -> list[torch.Tensor]:
+        """One forward pass over several sequences' rows (:mod:`model.engine.backend`): on our kernels one pass over
+        the weights for all of them, elsewhere one after the other; every row computes what it would alone.
+
+        Args:
+            inputs: from :meth:`pass_input`; every cache from this model's :meth:`new_cache` (one backend).
+
+        Returns:
+            One ``[kept_i, V]`` logits tensor per input (model dtype); each cache extended by its ``T_i`` entries.
+
+        Raises:
+            ValueError: no inputs, or caches of different backends; RuntimeError: a cache of another model, or
+            our kernels refused the shapes.
+        """
+        if not inputs:
+            raise ValueError("forward_batch needs at least one sequence")
+        backend = self._backend_of(inputs[0].cache)
+        for p in inputs[1:]:
+            if type(self._backend_of(p.cache)) is not type(backend):
+                raise ValueError("forward_batch: every cache must come from the same backend")
+        if isinstance(backend, LibraryForward):
+            return backend.forward_batch(inputs)
+        with torch.no_grad():
+            return backend.forward_batch(inputs)
+
+    def forward(self, input_ids: torch.Tensor, past_key_values: Any, num_masks: int, logits_to_keep: int,
+                positions: Sequence[int] | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward pass of one sequence: :meth:`forward_batch` of one :meth:`pass_input`.
+
+        Real tokens run on the base weights with an activated (aLoRA) adapter: only the trailing ``num_masks`` rows
+        get the adapter's delta; a LoRA adapter acts on every row. The cache's backend computes it: our kernels or
+        the fast path for a ``KVCache``, the library path (transformers + peft) for a transformers ``Cache``; they
+        give the same logits (bit for bit on the base weights; within bf16/fp32 rounding on adapter rows, see the
+        backends' tests). Only the library path keeps autograd.
+
+        Args:
+            input_ids: ``[1, T]`` long tensor: the real tokens not yet cached, then ``num_masks`` mask tokens.
             past_key_values: a cache from :meth:`new_cache`; extended in place by ``T`` entries.
             num_masks: how many trailing inputs are mask tokens (for activated adapters).
-            logits_to_keep: how many trailing positions need logits.
-            positions: each input's position offset after the cached entries (None: ``0 .. T-1``);
-                a tree of mask blocks puts several inputs at one position
-                (:class:`~model.engine.decoding.PassLayout`).
+            logits_to_keep: how many trailing positions need logits (0: all).
+            positions: each input's position offset after the cached entries (None: ``0 .. T-1``); a tree of mask
+                blocks puts several inputs at one position (:class:`~model.engine.phases.PassLayout`).
             visible: ``[T, T]`` bool, which inputs each input attends to besides the cache (None: causal).
 
         Returns:
             ``[1, logits_to_keep, V]`` logits (model dtype).
         """
-        from .kv_cache import KVCache
-
-        rows = self._adapter_rows(input_ids.shape[1], num_masks)
-        if isinstance(past_key_values, KVCache):
-            engine = past_key_values.engine
-            if engine is None or engine.source is not self.model:
-                raise RuntimeError("This KV cache was made for another model; start a new generation "
-                                   "(lm.new_cache()).")
-            with torch.no_grad():
-                return engine.forward(input_ids, past_key_values, rows, logits_to_keep, positions=positions,
-                                      visible=visible)
-        kwargs: dict[str, Any] = {}
-        if positions is not None or visible is not None:
-            kwargs.update(_tree_inputs(input_ids.shape[1], past_key_values.get_seq_length(), positions, visible,
-                                       self.dtype, input_ids.device))
-        ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
-        if _is_peft(self.model):
-            if rows == 0:  # the base weights: peft's adapter off for this pass (unless base_model() did it)
-                if not self._fast.adapter_off:
-                    ctx = self.model.disable_adapter()
-            elif self.adapter == "alora":
-                kwargs["alora_offsets"] = [num_masks]
-        with ctx:
-            out = self.model(
-                input_ids=input_ids,
-                past_key_values=past_key_values,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-                **kwargs,
-            )
-        return out.logits
+        inp = self.pass_input(input_ids, past_key_values, num_masks, logits_to_keep, positions, visible)
+        return self.forward_batch([inp])[0][None]
 
     @contextlib.contextmanager
     def base_model(self) -> Iterator[Any]:

@@ -16,65 +16,24 @@ TAU[:K_MAX]``                               is ≥ tau, always at least the firs
 [:LAYOUT]]``                                (lossless: output == standard decoding); LAYOUT says
                                             which draft prefixes a block of masks follows
 =============  ===========================  =======================================================
+
+A strategy owns its behaviour in a pass: where its mask blocks go (:meth:`Strategy.mask_blocks`), what it accepts
+greedily and when sampling (:meth:`Strategy.accept_pass`, :meth:`Strategy.accept_pass_sampled`, with the rules of
+:mod:`model.engine.acceptance`), and what stays in the KV cache and pending afterwards (:meth:`Strategy.cached_after`,
+:meth:`Strategy.pending_after`). Parsing specs is :mod:`model.engine.strategy_specs` (re-exported here).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
+
+from .acceptance import Acceptance, accept_block, accept_block_sampled, accept_verified, accept_verified_sampled
 
 DEFAULT_K_MAX = 16  # proposals per forward pass when nothing else says (the paper's sweep uses 16)
 MAX_K_MAX = 64  # the largest k_max accepted anywhere (engine, CLI, app)
 DEFAULT_TAU = 0.9  # ConfAdapt's default threshold (the paper's headline operating point)
 DEFAULT_STATIC_K = 3  # static k's default block size (the paper's best static k on GSM8K)
-
-
-# ----------------------------------------------------------------------------- argument parsing
-def parse_whole_number(value: Any, name: str, lo: int, hi: int | None = None) -> int:
-    """``value`` as an int in ``[lo, hi]``: ints, integral floats (``3.0``) and numeric strings pass.
-
-    Raises:
-        ValueError: not a whole number, or out of range; the message names ``name`` and the range.
-    """
-    if isinstance(value, bool) or value is None:
-        raise ValueError(f"{name} must be a whole number, got {value!r}.")
-    try:
-        f = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a whole number, got {value!r}.") from None
-    if not math.isfinite(f) or f != int(f):
-        raise ValueError(f"{name} must be a whole number, got {value!r}.")
-    n = int(f)
-    if n < lo or (hi is not None and n > hi):
-        bounds = f"from {lo} to {hi}" if hi is not None else f"at least {lo}"
-        raise ValueError(f"{name} must be {bounds}, got {n}.")
-    return n
-
-
-def parse_tau(value: Any) -> float:
-    """The ConfAdapt threshold tau as a float in [0, 1].
-
-    Raises:
-        ValueError: not a number, NaN, or outside [0, 1].
-    """
-    try:
-        tau = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"The threshold tau must be a number in [0, 1], got {value!r}.") from None
-    if math.isnan(tau) or not 0.0 <= tau <= 1.0:
-        raise ValueError(f"The threshold tau must be in [0, 1], got {value!r}.")
-    return tau
-
-
-def check_max_new_tokens(value: Any, upper: int | None = None) -> int:
-    """``max_new_tokens`` as an int ≥ 1 (and ≤ ``upper`` when given). Raises ValueError."""
-    return parse_whole_number(value, "max_new_tokens", 1, upper)
-
-
-def check_k_max(value: Any) -> int:
-    """``k_max`` as an int in 1 .. :data:`MAX_K_MAX`. Raises ValueError."""
-    return parse_whole_number(value, "k_max", 1, MAX_K_MAX)
 
 
 # ----------------------------------------------------------------------------- strategies
@@ -83,7 +42,7 @@ class Strategy:
 
     Class attributes:
         name: the spec keyword (``standard``, ``static``, ``confadapt``, ``verify``).
-        verifies: True when a pass checks drafts fed as real tokens (lossless decoding).
+        lossless: True when the output equals standard decoding's by construction (verification of drafts).
 
     Attributes:
         k_max: proposals per forward pass; a pass feeds ``k_max - 1`` mask tokens.
@@ -92,7 +51,7 @@ class Strategy:
     """
 
     name: ClassVar[str] = ""
-    verifies: ClassVar[bool] = False
+    lossless: ClassVar[bool] = False
     k_max: int
     tau: float | None = None
     k: int | None = None
@@ -104,8 +63,48 @@ class Strategy:
 
     @property
     def lookahead(self) -> int:
-        """Positions a pass may use past the tokens already emitted (drafts + masks)."""
-        return self.num_masks * (2 if self.verifies else 1)
+        """Positions a pass may use past the tokens already emitted (its masks)."""
+        return self.num_masks
+
+    def mask_blocks(self, drafts: int) -> tuple[int, ...]:
+        """The draft prefixes followed by a block of masks in a pass that feeds ``drafts`` drafts: a block strategy
+        feeds no drafts and one block right after the pending tokens, ``(0,)``."""
+        return (0,)
+
+    def accept_pass(self, lm: Any, generated: Sequence[int], layout: Any, greedy: Sequence[int],
+                    conf: Sequence[float], drafts: Sequence[int]) -> Acceptance:
+        """The accept phase of a greedy pass (:mod:`model.engine.acceptance`): the leading run :meth:`accept` keeps.
+
+        Args:
+            lm: the model (its tokens' bytes: a block never ends inside a character).
+            generated: tokens emitted before this pass.
+            layout: the pass's :class:`~model.engine.phases.PassLayout`; ``drafts``: the drafts it fed.
+            greedy, conf: greedy ids and confidences at the last pending token, each draft and each mask.
+        """
+        return accept_block(lm, self.accept, generated, greedy, conf)
+
+    def accept_pass_sampled(self, lm: Any, generated: Sequence[int], layout: Any, probs: Any, model_probs: Any,
+                            drafts: Sequence[int], draft_probs: Any, sampler: Any
+                            ) -> tuple[list[int], list[float], Acceptance]:
+        """The accept phase when sampling: tokens drawn from ``probs`` (``[logits_to_keep, V]``), judged by their
+        probabilities under ``model_probs`` (:func:`~model.engine.acceptance.accept_block_sampled`). Returns
+        ``(tokens, probabilities, acceptance)``."""
+        return accept_block_sampled(lm, self.accept, generated, probs, model_probs, sampler)
+
+    def cached_after(self, kept: Sequence[int]) -> list[int]:
+        """The kept tokens whose KV entries this pass already wrote and that stay (the commit keeps them): none for
+        a block strategy (its masks' entries are dropped)."""
+        return []
+
+    def pending_after(self, kept: Sequence[int]) -> list[int]:
+        """The tokens the next pass feeds first (not yet in the KV cache): every kept token of a block strategy."""
+        return list(kept)
+
+    def block_record(self, layout: Any, blocks: list, texts: list, confidences: list) -> dict:
+        """Fields of the :class:`~model.engine.records.PassRecord` about the mask blocks and the next drafts, from
+        the pass's ``blocks`` of proposals (their texts and confidences): empty for a block strategy, whose one
+        block is already its record's proposals."""
+        return {"mask_blocks": [], "block_proposals": [], "block_texts": [], "block_confidences": []}
 
     def accept(self, confidences: Sequence[float]) -> tuple[int, str]:
         """How many leading proposals of a block to keep, and why the block ends there.
@@ -211,7 +210,7 @@ class Verify(Strategy):
     """
 
     name: ClassVar[str] = "verify"
-    verifies: ClassVar[bool] = True
+    lossless: ClassVar[bool] = True
     k_max: int = DEFAULT_K_MAX
     blocks: tuple[int, ...] | None = None
     auto: bool = False
@@ -244,8 +243,30 @@ class Verify(Strategy):
             return (drafts,)
         return tuple(a for a in self.blocks if a <= drafts)
 
-    def accept(self, confidences: Sequence[float]) -> tuple[int, str]:  # noqa: D102
-        return 1, "k_max"  # the block of a verify pass is decided by the drafts, not by confidence
+    def accept_pass(self, lm: Any, generated: Sequence[int], layout: Any, greedy: Sequence[int],
+                    conf: Sequence[float], drafts: Sequence[int]) -> Acceptance:
+        """The drafts equal to the model's own choice, then its next token
+        (:func:`~model.engine.acceptance.accept_verified`); the rest as :meth:`Strategy.accept_pass`."""
+        return accept_verified(layout, greedy, drafts)
+
+    def accept_pass_sampled(self, lm: Any, generated: Sequence[int], layout: Any, probs: Any, model_probs: Any,
+                            drafts: Sequence[int], draft_probs: Any, sampler: Any
+                            ) -> tuple[list[int], list[float], Acceptance]:
+        """Speculative sampling of the drafts (:func:`~model.engine.acceptance.accept_verified_sampled`)."""
+        return accept_verified_sampled(layout, probs, model_probs, drafts, draft_probs, sampler)
+
+    def cached_after(self, kept: Sequence[int]) -> list[int]:
+        """The accepted drafts: every kept token but the last (their entries, written as drafts, are right)."""
+        return list(kept[:-1])
+
+    def pending_after(self, kept: Sequence[int]) -> list[int]:
+        """The last kept token only (the model's own, never fed yet)."""
+        return list(kept[-1:])
+
+    def block_record(self, layout: Any, blocks: list, texts: list, confidences: list) -> dict:
+        """Every block's prefix, proposals, texts and confidences (the app draws the tree from them)."""
+        return {"mask_blocks": list(layout.blocks), "block_proposals": blocks, "block_texts": texts,
+                "block_confidences": confidences}
 
     def at(self, k_max: int, blocks: tuple[int, ...] | None) -> "Verify":
         """The fixed layout this strategy runs for one pass (``verify:auto`` chooses it pass by pass)."""
@@ -275,139 +296,6 @@ class Verify(Strategy):
         return f"verify:{self.k_max}" if self.blocks is None and not self.auto else f"verify:{self.k_max}:{self.layout}"
 
 
-def verify_layout(k_max: int, layout: Any) -> tuple[int, ...] | None:
-    """``Verify.blocks`` from a layout name: ``linear`` (None), ``full``, or prefixes such as ``0/1/3``.
-
-    Raises:
-        ValueError: a malformed layout.
-    """
-    text = str(layout or "linear").strip().lower()
-    if text == "linear":
-        return None
-    if text == "auto":
-        raise ValueError("verify:auto is a strategy of its own (Verify(auto=True)), not a fixed layout.")
-    if text == "full":
-        return tuple(range(k_max))
-    try:
-        return tuple(int(x) for x in text.split("/") if x.strip())
-    except ValueError:
-        raise ValueError(f"A verify layout is linear, full or prefixes such as 0/1/3, got {layout!r}.") from None
-
-
-STRATEGY_NAMES = ("standard", "static", "confadapt", "verify")
-SPEC_HELP = ("standard, static:K, confadapt:TAU[:K_MAX] or verify[:K_MAX[:LAYOUT]] (LAYOUT: linear, full, 0/1/3, or "
-             "auto: chosen per pass from the width cost and the load; verify:auto[:K_MAX])")
-
-
-def standard() -> Standard:
-    """Next-token prediction, one token per forward pass (the baseline)."""
-    return Standard()
-
-
-def static_k(k: Any = DEFAULT_STATIC_K) -> StaticK:
-    """Static k (paper 4.5): keep the first ``k`` proposals of every pass.
-
-    Raises:
-        ValueError: ``k`` not in 1 .. :data:`MAX_K_MAX`.
-    """
-    return StaticK(k=parse_whole_number(k, "k", 1, MAX_K_MAX))
-
-
-def confadapt(tau: Any = DEFAULT_TAU, k_max: Any = DEFAULT_K_MAX) -> ConfAdapt:
-    """ConfAdapt with threshold ``tau`` and ``k_max`` proposals per pass (paper 4.5).
-
-    Raises:
-        ValueError: tau outside [0, 1]; k_max not in 1 .. :data:`MAX_K_MAX`.
-    """
-    return ConfAdapt(tau=parse_tau(tau), k_max=check_k_max(k_max))
-
-
-def verify(k_max: Any = DEFAULT_K_MAX, layout: Any = "linear") -> Verify:
-    """Lossless verification of mask drafts, ``k_max - 1`` drafts at most per pass, with mask blocks
-    laid out as ``layout`` says (:func:`verify_layout`).
-
-    Raises:
-        ValueError: k_max not in 1 .. :data:`MAX_K_MAX`, or a bad layout.
-    """
-    k = check_k_max(k_max)
-    if str(layout or "").strip().lower() == "auto":
-        return Verify(k_max=k, auto=True)
-    return Verify(k_max=k, blocks=verify_layout(k, layout))
-
-
-def _k_max_in(value: Any, cap: int) -> int:
-    return parse_whole_number(value, "k_max", 1, cap)
-
-
-def resolve_strategy(
-    choice: Any,
-    *,
-    tau: Any = None,
-    k_max: Any = None,
-    k: Any = None,
-    layout: Any = None,
-    default_k_max: int = DEFAULT_K_MAX,
-    cap: int = MAX_K_MAX,
-) -> Strategy:
-    """The one way from what a user gave to a :class:`Strategy` (CLIs, the app, evaluation, bench, lm-eval).
-
-    Args:
-        choice: a name (``standard``, ``static``, ``confadapt``, ``verify``; case and spaces ignored)
-            whose parameters come from the keyword arguments, or a spec (``static:K``,
-            ``confadapt:TAU[:K_MAX]``, ``verify[:K_MAX]``) whose own values win over them.
-        tau: ConfAdapt's threshold; None: :data:`DEFAULT_TAU`.
-        k_max: proposals per pass; None: ``default_k_max``. For static k, when given, an upper bound
-            that ``k`` must respect.
-        k: static k's block size; None: :data:`DEFAULT_STATIC_K`.
-        layout: verify's mask blocks (:func:`verify_layout`); None: linear.
-        default_k_max: the model's k_max (:attr:`LoadedModel.default_k_max`, or
-            :func:`~model.engine.loading.trained_k_max` before loading), used when no k_max is given;
-            at most ``cap``.
-        cap: the caller's largest k_max and static k (the engine's :data:`MAX_K_MAX`, the app's own).
-
-    Raises:
-        ValueError: an unknown name, a malformed spec or an out-of-range parameter, naming it.
-    """
-    head, *args = str(choice or "").strip().lower().replace(" ", "").split(":")
-    if head not in STRATEGY_NAMES or (head == "standard" and args) or len(args) > (1 if head == "static" else 2):
-        raise ValueError(f"Unknown strategy {choice!r}: use {SPEC_HELP}.")
-    try:
-        if head == "standard":
-            return standard()
-        if head == "static":
-            size = parse_whole_number(args[0] if args else (DEFAULT_STATIC_K if k is None else k), "k", 1, cap)
-            if k_max is not None and not args and size > _k_max_in(k_max, cap):
-                raise ValueError(f"k ({size}) cannot exceed k_max ({k_max}).")
-            return StaticK(k=size)
-        if head == "confadapt":
-            t = parse_tau(args[0] if args else (DEFAULT_TAU if tau is None else tau))
-            km = args[1] if len(args) > 1 else (min(default_k_max, cap) if k_max is None else k_max)
-            return ConfAdapt(tau=t, k_max=_k_max_in(km, cap))
-        auto = "auto" in args or (len(args) < 2 and str(layout or "").strip().lower() == "auto")
-        rest = [a for a in args if a != "auto"]  # verify:auto[:K_MAX] or verify:K_MAX:auto
-        km = _k_max_in(rest[0] if rest else (min(default_k_max, cap) if k_max is None else k_max), cap)
-        if auto:
-            return Verify(k_max=km, auto=True)
-        return Verify(k_max=km, blocks=verify_layout(km, args[1] if len(args) > 1 else layout))
-    except ValueError as e:
-        raise ValueError(f"Bad strategy {choice!r}: {e}" if args else str(e)) from None
-
-
-def parse_strategies(specs: str | Sequence[str | Strategy], default_k_max: int = DEFAULT_K_MAX,
-                     cap: int = MAX_K_MAX) -> list[Strategy]:
-    """A comma-separated list (or a list) of names or specs, each through :func:`resolve_strategy`
-    (strategies in the list are kept as they are); duplicates are dropped, order kept.
-
-    Raises:
-        ValueError: an empty list or a bad entry.
-    """
-    items = specs.split(",") if isinstance(specs, str) else list(specs)
-    out: list[Strategy] = []
-    for s in items:
-        if isinstance(s, Strategy) or s.strip():
-            st = s if isinstance(s, Strategy) else resolve_strategy(s, default_k_max=default_k_max, cap=cap)
-            if st not in out:
-                out.append(st)
-    if not out:
-        raise ValueError(f"No strategies given: use e.g. {SPEC_HELP}.")
-    return out
+from .strategy_specs import (SPEC_HELP, STRATEGY_NAMES, check_k_max, check_max_new_tokens, confadapt,  # noqa: E402,F401
+                             parse_strategies, parse_tau, parse_whole_number, resolve_strategy, standard, static_k,
+                             verify, verify_layout)

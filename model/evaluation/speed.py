@@ -172,7 +172,7 @@ def torch_path_view(lm: LoadedModel) -> LoadedModel | None:
     kernels in one process; None when ``lm`` does not run on our kernels."""
     from ..engine.loaded_model import _FastState
 
-    if not lm.forward_path.startswith("our kernels"):
+    if lm.backend().kind != "kernels":
         return None
     old = os.environ.get("MTP_KERNELS")
     os.environ["MTP_KERNELS"] = "off"
@@ -192,9 +192,7 @@ def row_exactness_report(lm: LoadedModel, widths: Sequence[int] = (2, 4, 8, 16),
     """Rows of a pass bit-identical to one-token passes (:func:`model.engine.exactness.row_exactness`), by
     width: MTP passes (1 real token + masks, adapter on) and passes of real tokens. None off the fast path."""
     from ..engine.exactness import row_exactness
-    from ..engine.kv_cache import KVCache
-
-    if not isinstance(lm.new_cache(), KVCache):
+    if lm.backend().kind == "library":
         return None
     ids = lm.prompt_ids(prompt)
     real = [t for t in ids if t != lm.mask_token_id] or [0]
@@ -425,7 +423,7 @@ def bench(
     for row in rows:
         row["ratio_to_hf"] = row["tokens_per_second"] / hf_tps if hf_tps > 0 else None
     std = outputs.get("standard") if sampling.greedy else None  # sampled outputs are different draws
-    verify_specs = [s.spec for s in strategies if s.verifies]
+    verify_specs = [s.spec for s in strategies if s.lossless]
 
     width = width_curve(lm, plain, widths, width_repeats, before=torch_path_view(lm)) if widths else None
     exactness = row_exactness_report(lm, [w for w in widths if w >= 2] or (2, 4, 8, 16))

@@ -117,9 +117,7 @@ def stream_answers(lm: LoadedModel, prompts: Sequence[tuple[int, Sequence[int]]]
 def _on_kernels(lm: LoadedModel) -> bool:
     """Whether ``lm`` (a plain base: :func:`load_generator`) decodes on our CPU kernels, where batches of answers
     share passes."""
-    from ..engine.kernel_forward import KernelForward
-
-    return lm.adapter is None and isinstance(lm.fast_engine(), KernelForward)
+    return lm.adapter is None and lm.backend().kind == "kernels"
 
 
 def _read_done(path: Path) -> dict[int, dict]:

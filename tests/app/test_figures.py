@@ -23,7 +23,7 @@ def test_lossless_turn_equals_standard_and_its_figure_marks_the_drafts(registry)
     last = finish(prepare_turn(registry, TurnRequest(prompt, [], "lossless", 0.9, 4, 3, 24, FP32)))[1]
     lm32 = registry.get(*FP32)
     assert lm32.dtype == torch.float32
-    assert last.strategy.verifies and last.identical and last.mtp.text == generate(lm32, prompt, standard(), 24).text
+    assert last.strategy.lossless and last.identical and last.mtp.text == generate(lm32, prompt, standard(), 24).text
     assert "identical answers: lossless" in headline.speed_html(last)
     fig = figures.passes_figure(last.mtp.passes, last.strategy)
     assert len(fig["frames"]) == last.mtp.forward_passes

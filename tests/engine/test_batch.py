@@ -62,16 +62,16 @@ def test_forward_batch_rows_equal_solo_passes(lm):
         caches.append(a)
         solo_caches.append(b)
         tokens = [100 + i] + [m] * (i + 1)
-        items.append({"input_ids": torch.tensor([tokens]), "cache": a, "adapter_rows": i + 1,
-                      "logits_to_keep": len(tokens)})
+        items.append(lm.pass_input(tokens, a, num_masks=i + 1, logits_to_keep=len(tokens)))
     vis = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    items[2].update(positions=[0, 1, 1], visible=vis, input_ids=torch.tensor([[7, m, m]]), adapter_rows=2,
-                    logits_to_keep=3)
-    outs = eng.forward_batch(items)
+    items[2] = lm.pass_input([7, m, m], caches[2], num_masks=2, logits_to_keep=3, positions=[0, 1, 1], visible=vis)
+    assert [p.adapter_rows for p in items] == [1, 2, 2]  # aLoRA: the mask rows
+    assert eng.shares_passes
+    outs = lm.forward_batch(items)
     for it, cache, out in zip(items, solo_caches, outs):
-        solo = lm.forward(it["input_ids"], cache, it["adapter_rows"], it["logits_to_keep"],
-                          positions=it.get("positions"), visible=it.get("visible"))
-        assert torch.equal(out, solo)
+        solo = lm.forward(it.tokens[None], cache, it.num_masks, it.logits_to_keep, positions=it.positions,
+                          visible=it.visible)
+        assert torch.equal(out[None], solo)
     for a, b in zip(caches, solo_caches):
         assert a.length == b.length
         assert all(torch.equal(x[:, :, : a.length], y[:, :, : b.length]) for x, y in zip(a.k + a.v, b.k + b.v))
