@@ -1,6 +1,7 @@
 """The package's shape, read from the source with :mod:`ast` (nothing imported): imports go one way
 (model/engine uses neither model.training, model.evaluation nor app; model.evaluation never uses
-model.training, nor model.training model.evaluation), and every exception class is in model/errors.py."""
+model.training, nor model.training model.evaluation), every exception class is in model/errors.py, and no
+Python file of app/ or model/engine/ runs past 400 lines, nor a function past 80."""
 
 from __future__ import annotations
 
@@ -107,3 +108,22 @@ def test_every_exception_class_is_in_model_errors():
     assert any(where.startswith("model/errors.py") for where, _ in defined)  # the check sees them
     elsewhere = [f"{where}: {name}" for where, name in defined if not where.startswith("model/errors.py")]
     assert not elsewhere, "exception classes outside model/errors.py:\n" + "\n".join(elsewhere)
+
+
+#: Most lines of a Python file, and of one function, in the packages that hold the page and the engine.
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 80
+
+
+@pytest.mark.parametrize("package", ["app", "model/engine"])
+def test_files_and_functions_stay_readable(package):
+    too_long = []
+    for path in python_files(package):
+        text = path.read_text()
+        if text.count("\n") > MAX_FILE_LINES:
+            too_long.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
+    assert not too_long, "split these:\n" + "\n".join(too_long)

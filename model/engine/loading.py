@@ -29,6 +29,7 @@ import torch
 from ..errors import CheckpointError
 from .adapter_format import DEFAULT_MASK_TOKEN, MTPMeta, is_mtp_dir, load_mask_rows, read_meta
 from .loaded_model import PROMPT_FORMATS, LoadedModel
+from .mask_token import add_mask_token, find_mask_token, stop_token_ids  # noqa: F401 - re-exported
 from .precision import native_bf16
 from .guards import check_architecture, check_memory, weights_bytes
 from .presets import find_preset, preset_by_name
@@ -118,56 +119,6 @@ def peft_quiet() -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         yield
-
-
-def stop_token_ids(tokenizer: Any, model: Any) -> tuple[int, ...]:
-    """All EOS ids: the tokenizer's and the generation config's (int or list), deduplicated."""
-    ids: list[int] = []
-    candidates: list[Any] = [getattr(tokenizer, "eos_token_id", None)]
-    gen = getattr(model, "generation_config", None)
-    if gen is not None:
-        candidates.append(gen.eos_token_id)
-    for c in candidates:
-        for i in c if isinstance(c, (list, tuple)) else [c]:
-            if i is not None and int(i) not in ids:
-                ids.append(int(i))
-    return tuple(ids)
-
-
-def find_mask_token(tokenizer: Any, mask_token: str) -> int | None:
-    """Id of ``mask_token`` if the tokenizer knows it as one token, else None."""
-    tid = tokenizer.convert_tokens_to_ids(mask_token)
-    if tid is None or tid < 0:
-        return None
-    if tokenizer.convert_ids_to_tokens(tid) != mask_token:
-        return None  # mapped to the unknown token
-    return int(tid)
-
-
-def add_mask_token(model: Any, tokenizer: Any, mask_token: str) -> int:
-    """Add ``mask_token`` to tokenizer and embeddings (mean/variance init, paper 3.3).
-
-    Returns the new id. Grows the input embedding (and the untied output embedding) by the
-    tokenizer's new length; tied embeddings share the new row.
-    """
-    tokenizer.add_tokens([mask_token], special_tokens=True)
-    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
-        from transformers.utils import logging as hf_logging
-
-        # Seeded so that an untrained mask row is the same on every load (reproducible runs);
-        # transformers' note about mean resizing is what we asked for, so it is silenced.
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        try:
-            with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
-                warnings.simplefilter("ignore")
-                torch.manual_seed(0)
-                model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
-        finally:
-            hf_logging.set_verbosity(verbosity)
-    tid = find_mask_token(tokenizer, mask_token)
-    assert tid is not None
-    return tid
 
 
 def _bnb_config(quantization: str | None, device: torch.device) -> Any:
