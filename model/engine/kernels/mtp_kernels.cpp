@@ -125,6 +125,54 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torc
 }
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+// round_bf16 on 8 lanes, the scalar's bits (nearest even; a NaN stays NaN with its quiet bit set).
+TGT2 static inline __m256i round_bf16_bits8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v), hi = _mm256_set1_epi32((int)0xffff0000u);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), hi);
+  const __m256i nan = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)), hi);
+  const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                            _mm256_set1_epi32(0x7f800000));
+  return _mm256_blendv_epi8(r, nan, is_nan);
+}
+TGT2 static inline __m256 round_bf16_8(__m256 v) { return _mm256_castsi256_ps(round_bf16_bits8(v)); }
+// v rounded to the dtype (8 lanes)
+TGT2 static inline __m256 to_dtype8(__m256 v, int dtype) { return dtype == DT_BF16 ? round_bf16_8(v) : v; }
+
+// Element-wise steps of a pass on 8 lanes (the scalar tail does the same operations, so every element has the
+// bits of the scalar code whatever its place).
+// y[j] = (out[j] (+ bias[j])) rounded to the dtype; y may be out.
+TGT2 static void bias_round_row(const float* out, const float* bias, float* y, int64_t n, int dtype) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 v = _mm256_loadu_ps(out + j);
+    if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + j));
+    _mm256_storeu_ps(y + j, to_dtype8(v, dtype));
+  }
+  for (; j < n; j++) {
+    float v = out[j];
+    if (bias) v += bias[j];
+    y[j] = dtype == DT_BF16 ? round_bf16(v) : v;
+  }
+}
+// x[j] = (x[j] + o[j]) rounded to the dtype (a residual add, or the adapter's delta added to a projection).
+TGT2 static void add_round_row(float* x, const float* o, int64_t n, int dtype) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(x + j, to_dtype8(_mm256_add_ps(_mm256_loadu_ps(x + j), _mm256_loadu_ps(o + j)), dtype));
+  for (; j < n; j++) x[j] = dtype == DT_BF16 ? round_bf16(x[j] + o[j]) : x[j] + o[j];
+}
+// d[j] = x[j] as bf16 (round to nearest even).
+TGT2 static void to_bf16_row(const float* x, uint16_t* d, int64_t k) {
+  int64_t j = 0;
+  for (; j + 16 <= k; j += 16) {
+    const __m256i a = _mm256_srli_epi32(round_bf16_bits8(_mm256_loadu_ps(x + j)), 16);
+    const __m256i b = _mm256_srli_epi32(round_bf16_bits8(_mm256_loadu_ps(x + j + 8)), 16);
+    _mm256_storeu_si256((__m256i*)(d + j), _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8));
+  }
+  for (; j < k; j++) d[j] = f32_to_bf16(x[j]);
+}
+
 // ------------------------------------------------------------------------------------------------ memory
 extern "C" void* mtp_alloc(int64_t bytes) {
   // 2 MB aligned, asked for huge pages: a pass streams every weight once and 4 KB pages cost ~30% of the
@@ -728,7 +776,7 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
     xp = (uint32_t*)s_xp.get((int64_t)T * ldxp);
     for (int t = 0; t < T; t++) {
       uint16_t* d = (uint16_t*)(xp + t * ldxp);
-      for (int64_t j = 0; j < k; j++) d[j] = f32_to_bf16(x[t * ldx + j]);
+      to_bf16_row(x + t * ldx, d, k);
       if (k & 1) d[k] = 0;
     }
   }
@@ -737,12 +785,7 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
     share(nb, tid, n_threads, &b0, &b1);
     if (b0 < b1) gemm_blocks(L, M->isa, T, x, ldx, xp, ldxp, out, ldo, b0, b1);
   });
-  for (int t = 0; t < T; t++)
-    for (int64_t j = 0; j < n; j++) {
-      float v = out[t * ldo + j];
-      if (L->bias) v += L->bias[j];
-      y[t * ldy + j] = M->dtype == DT_BF16 ? round_bf16(v) : v;
-    }
+  for (int t = 0; t < T; t++) bias_round_row(out + t * ldo, L->bias, y + t * ldy, n, M->dtype);
   if (!amask || L->rank == 0) return;
   static thread_local Scratch s_rows;
   int arows = 0;
@@ -779,11 +822,7 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
       share(nbm, tid, n_threads, &b0, &b1);
       if (b0 < b1) gemm_blocks(&Bm, M->isa, arows, u + r0, ldu, nullptr, 0, d, ldd, b0, b1);
     });
-    for (int t = 0; t < arows; t++)
-      for (int j = 0; j < om; j++) {
-        float* yv = y + (int64_t)rows[t] * ldy + o0 + j;
-        *yv = M->dtype == DT_BF16 ? round_bf16(*yv + d[t * ldd + j]) : *yv + d[t * ldd + j];
-      }
+    for (int t = 0; t < arows; t++) add_round_row(y + (int64_t)rows[t] * ldy + o0, d + t * ldd, om, M->dtype);
   }
   free(rows);
 }
@@ -863,6 +902,30 @@ TGT2 static float dot_kv(const float* q, const void* kc, int dtype, int64_t off,
   return ((ta[0] + ta[1]) + (ta[2] + ta[3])) + ((ta[4] + ta[5]) + (ta[6] + ta[7]));
 }
 
+// A cached key's 8 lanes at d (bf16 widened, or float32).
+TGT2 static inline __m256 key8(const void* kc, int dtype, int64_t off) {
+  if (dtype != DT_BF16) return _mm256_loadu_ps((const float*)kc + off);
+  const uint16_t* k = (const uint16_t*)kc + off;
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)k)), 16));
+}
+
+// Scores of q with 8 cached keys at once (offsets off[0..7]), for head_dim a multiple of 8: each key's lanes
+// and sums exactly as dot_kv's (its zero tail included), so each score has dot_kv's bits; the 8 horizontal sums
+// run as one transpose (hadd pairs lanes as dot_kv's ((0+1)+(2+3))+((4+5)+(6+7)) does).
+TGT2 static void dot_kv8(const float* q, const void* kc, int dtype, const int64_t* off, int hd, float* out) {
+  __m256 a[8];
+  for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+  for (int d = 0; d < hd; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, key8(kc, dtype, off[j] + d), a[j]);
+  }
+  const __m256 z = _mm256_setzero_ps();
+  for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(z, z, a[j]);  // dot_kv's padded tail step
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31)));
+}
+
 // acc[d] = fma(p, v[d], acc[d]) for one cached value (every lane one fused multiply-add, vector or tail).
 TGT2 static void axpy_kv(float* acc, float p, const void* vc, int dtype, int64_t off, int hd) {
   const __m256 pv = _mm256_set1_ps(p);
@@ -881,12 +944,34 @@ TGT2 static void axpy_kv(float* acc, float p, const void* vc, int dtype, int64_t
   }
 }
 
+// o[d] = (sum_i p[i] v_i[d]) * inv rounded to the dtype, for head_dim a multiple of 64: axpy_kv's fused
+// multiply-adds in value order, with 64 lanes of the sum held in registers across the values.
+TGT2 static void weighted_values(const float* p, int64_t n, const void* vc, int dtype, const int64_t* off, int hd,
+                                 float inv, float* o) {
+  const __m256 iv = _mm256_set1_ps(inv);
+  for (int d0 = 0; d0 < hd; d0 += 64) {
+    constexpr int w = 8;
+    __m256 acc[8];
+    for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i++) {
+      const __m256 pv = _mm256_set1_ps(p[i]);
+      for (int c = 0; c < w; c++) acc[c] = _mm256_fmadd_ps(pv, key8(vc, dtype, off[i] + d0 + 8 * c), acc[c]);
+    }
+    for (int c = 0; c < w; c++) _mm256_storeu_ps(o + d0 + 8 * c, to_dtype8(_mm256_mul_ps(acc[c], iv), dtype));
+  }
+}
+
 // transformers' RMSNorm: float32 statistics, x * rsqrt(mean(x^2) + eps) rounded to the dtype, times the
 // weight (rounded again in bf16).
 TGT2 static void rms_norm_row(const float* x, const float* w, float* y, int64_t n, float eps, int dtype) {
   float ss = dot_lanes(x, x, n);
   float r = 1.0f / sqrtf(ss / (float)n + eps);
-  for (int64_t i = 0; i < n; i++) {
+  const __m256 rv = _mm256_set1_ps(r);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, to_dtype8(_mm256_mul_ps(_mm256_loadu_ps(w + i),
+                                                    to_dtype8(_mm256_mul_ps(_mm256_loadu_ps(x + i), rv), dtype)), dtype));
+  for (; i < n; i++) {
     float h = x[i] * r;
     if (dtype == DT_BF16) h = round_bf16(h);
     float v = w[i] * h;
@@ -933,15 +1018,24 @@ TGT2 static void attention(const mtp_model* M, int T, const float* q, int64_t ld
       for (int u = 0; u < Ts; u++)
         if (visible ? visible[t0 * Ts + u] : (u <= t0)) idx[n++] = pos + u;
       const int64_t kbase = (int64_t)g * cap * hd;
-      for (int64_t i = 0; i < n; i++) sc[i] = dot_kv(qt, kc, dtype, kbase + idx[i] * hd, hd) * M->scaling;
+      for (int64_t i = 0; i < n; i++) idx[i] = kbase + idx[i] * hd;  // element offsets of the keys / values
+      int64_t i8 = 0;
+      if (hd % 8 == 0)
+        for (; i8 + 8 <= n; i8 += 8) dot_kv8(qt, kc, dtype, idx + i8, hd, sc + i8);
+      for (int64_t i = i8; i < n; i++) sc[i] = dot_kv(qt, kc, dtype, idx[i], hd);
+      for (int64_t i = 0; i < n; i++) sc[i] *= M->scaling;
       float m = -INFINITY;
       for (int64_t i = 0; i < n; i++) m = sc[i] > m ? sc[i] : m;
       for (int64_t i = 0; i < n; i++) sc[i] -= m;
       exp_inplace(sc, n);
       const float inv = 1.0f / sum_lanes(sc, n);
-      for (int d = 0; d < hd; d++) acc[d] = 0.f;
-      for (int64_t i = 0; i < n; i++) axpy_kv(acc, sc[i], vc, dtype, kbase + idx[i] * hd, hd);
       float* o = out + t * ldout + h * hd;
+      if (hd % 64 == 0) {
+        weighted_values(sc, n, vc, dtype, idx, hd, inv, o);
+        continue;
+      }
+      for (int d = 0; d < hd; d++) acc[d] = 0.f;
+      for (int64_t i = 0; i < n; i++) axpy_kv(acc, sc[i], vc, dtype, idx[i], hd);
       for (int d = 0; d < hd; d++) o[d] = dtype == DT_BF16 ? round_bf16(acc[d] * inv) : acc[d] * inv;
     }
   });
@@ -949,9 +1043,19 @@ TGT2 static void attention(const mtp_model* M, int T, const float* q, int64_t ld
 
 // Rotary embedding x cos + rotate_half(x) sin with the first half of sin negated (sin_f), as transformers
 // rounds it in bf16: each product rounded, then the sum.
-static void rotate(float* x, const float* cos, const float* sin_f, int hd, int dtype) {
+TGT2 static void rotate(float* x, const float* cos, const float* sin_f, int hd, int dtype) {
   float tmp[512];
   const int half = hd / 2;
+  if (half % 8 == 0) {  // 8 lanes: the same products, roundings and sum as the scalar loop below
+    for (int d = 0; d < hd; d += 8) {
+      const int r = d < half ? d + half : d - half;
+      const __m256 a = to_dtype8(_mm256_mul_ps(_mm256_loadu_ps(x + d), _mm256_loadu_ps(cos + d)), dtype);
+      const __m256 b = to_dtype8(_mm256_mul_ps(_mm256_loadu_ps(x + r), _mm256_loadu_ps(sin_f + d)), dtype);
+      _mm256_storeu_ps(tmp + d, to_dtype8(_mm256_add_ps(a, b), dtype));
+    }
+    memcpy(x, tmp, sizeof(float) * hd);
+    return;
+  }
   for (int d = 0; d < hd; d++) {
     float a = x[d] * cos[d];
     float b = x[(d + half) % hd] * sin_f[d];
@@ -971,7 +1075,14 @@ TGT2 static void silu_mul(const float* gu, int64_t ld, int T, int inter, float* 
     const float* u = g + inter;
     for (int i = 0; i < inter; i++) e[i] = -g[i];
     exp_inplace(e, inter);
-    for (int i = 0; i < inter; i++) {
+    int i0 = 0;
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i0 + 8 <= inter; i0 += 8) {
+      const __m256 s1 = to_dtype8(_mm256_div_ps(_mm256_loadu_ps(g + i0), _mm256_add_ps(one, _mm256_loadu_ps(e + i0))),
+                                  dtype);
+      _mm256_storeu_ps(act + t * inter + i0, to_dtype8(_mm256_mul_ps(s1, _mm256_loadu_ps(u + i0)), dtype));
+    }
+    for (int i = i0; i < inter; i++) {
       float s1 = g[i] / (1.0f + e[i]);
       if (dtype == DT_BF16) s1 = round_bf16(s1);
       float v = s1 * u[i];
@@ -1034,12 +1145,12 @@ static int forward_batch(const mtp_model* M, float* x, int32_t T, const mtp_batc
     }
     attention(M, T, qkv, qkv_n, B, li, row_seq, a, (int64_t)H * hd, nt);
     linear(M, &Ly->o, T, a, (int64_t)H * hd, o, Hd, am, nt);
-    for (int64_t i = 0; i < (int64_t)T * Hd; i++) x[i] = dt == DT_BF16 ? round_bf16(x[i] + o[i]) : x[i] + o[i];
+    add_round_row(x, o, (int64_t)T * Hd, dt);
     for (int t = 0; t < T; t++) rms_norm_row(x + t * Hd, Ly->ln2, h + t * Hd, Hd, M->eps, dt);
     linear(M, &Ly->gate_up, T, h, Hd, gu, 2 * I, am, nt);
     silu_mul(gu, 2 * I, T, I, act, dt);
     linear(M, &Ly->down, T, act, I, o, Hd, am, nt);
-    for (int64_t i = 0; i < (int64_t)T * Hd; i++) x[i] = dt == DT_BF16 ? round_bf16(x[i] + o[i]) : x[i] + o[i];
+    add_round_row(x, o, (int64_t)T * Hd, dt);
   }
   const int keep = B->nkeep;
   static thread_local Scratch s_km;
