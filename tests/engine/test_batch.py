@@ -1,5 +1,5 @@
-"""Many sequences in one forward pass (model/engine/batch.py, KernelForward.forward_batch): each generation's
-records are identical, bit for bit, to running it alone, whatever the mix of strategies, prompt lengths and
+"""Many sequences in one forward pass (model/engine/batch.py, LoadedModel.forward_batch on our kernels): each
+generation's records are identical, bit for bit, to running it alone, whatever the mix of strategies, prompt lengths and
 join / leave order."""
 
 from __future__ import annotations
