@@ -7,11 +7,13 @@ when unset), ``MTP_APP_*`` limits (see ``app/requests.py``, ``app/page.py`` and 
 
 from __future__ import annotations
 
-import spaces  # noqa: F401  first: on a ZeroGPU Space it must come before anything that touches CUDA
+import os  # noqa: I001  the OpenMP policy must be set before anything loads torch (see model/__init__.py)
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import spaces  # noqa: E402,F401  first: on a ZeroGPU Space it must come before anything that touches CUDA
 
 import importlib.util
 import logging
-import os
 import subprocess
 import sys
 
