@@ -1,4 +1,5 @@
-"""Our CPU kernels for the forward pass: build, load and choose them (``mtp_kernels.cpp`` beside this file).
+"""Our CPU kernels for the forward pass: build, load and choose them (``mtp_kernels.cpp`` beside this file, with
+its parts ``mtp_*.h``: one translation unit).
 
 Why our own: an MTP pass is worth taking only if (1) a pass of several rows costs about a pass of one and
 (2) each row of a wide pass computes exactly what a one-token pass computes (lossless verification compares
@@ -46,6 +47,11 @@ __all__ = ["KernelError", "KernelStatus", "build", "candidates", "choose_isa", "
 ENV = "MTP_KERNELS"
 CHOICES = ("auto", "amx", "avx512bf16", "avx2", "off")
 SOURCE = Path(__file__).with_name("mtp_kernels.cpp")
+
+
+def sources() -> list[Path]:
+    """Every file of the one translation unit: ``mtp_kernels.cpp`` and the ``mtp_*.h`` parts it includes."""
+    return [SOURCE] + sorted(SOURCE.parent.glob("mtp_*.h"))
 EMULATE_ENV = "MTP_AMX_EMULATE"
 ABI_VERSION = 5
 ISA_CODES = {"avx2": 1, "avx512bf16": 2, "amx": 3}
@@ -147,7 +153,8 @@ def cflags(emulate: bool = False) -> list[str]:
 
 def library_path(emulate: bool = False) -> Path:
     """The built library for this source and these flags (its name carries their hash)."""
-    h = hashlib.sha256(SOURCE.read_bytes() + " ".join(cflags(emulate)).encode()).hexdigest()[:16]
+    text = b"".join(p.read_bytes() for p in sources()) + " ".join(cflags(emulate)).encode()
+    h = hashlib.sha256(text).hexdigest()[:16]
     return cache_dir() / f"libmtp_kernels-{h}.so"
 
 

@@ -1,0 +1,235 @@
+// Part of mtp_kernels.cpp, included once into that one translation unit: the AMX tile path (and its software emulation).
+// ------------------------------------------------------------------------------------------------ AMX
+// LAYOUT_BF16_PAIRS is already the layout of an AMX B tile: a block of 16 columns holds, for pair j, the 16
+// columns' pairs in 64 bytes ([j][c][2]), so 16 consecutive pairs are one 16 x 64-byte tile at stride 64. The
+// activations as bf16 pairs ([T][k2] uint32) are A tiles: up to 16 rows x 16 pairs at stride ldxp * 4.
+// tdpbf16ps adds, for each element, its pairs in order: C[m][n] += a[2p] b[2p] then += a[2p+1] b[2p+1], each
+// accumulation rounded to nearest even, denormals flushed (Intel SDM). So an element's sum depends on its own
+// row and column only, never on how many rows the tile holds: rows stay exact at every width.
+// Tiles: 0-3 the accumulators of 4 column blocks (M rows), 4 the activations (M rows), 5 and 6 weights.
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+#if defined(MTP_AMX_EMULATE)
+// The tile instructions in plain C++, with the checks the hardware makes (a shape it would fault on aborts
+// with a message). Same data movement and the same per-element order and rounding as the SDM describes.
+struct EmuTile { int rows, colsb; uint8_t b[16][64]; };
+static thread_local EmuTile emu_tile[8];
+static thread_local bool emu_on = false;
+static void emu_fail(const char* what) {
+  fprintf(stderr, "mtp kernels: AMX emulation: %s\n", what);
+  abort();
+}
+TGT512 static inline float emu_flush(float f) {  // denormals to zero, as tdpbf16ps treats inputs and results
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7f800000u) == 0) u &= 0x80000000u;
+  memcpy(&f, &u, 4);
+  return f;
+}
+static void emu_config(const TileConfig* c) {
+  if (c->palette != 1) emu_fail("palette must be 1");
+  for (int i = 0; i < 8; i++) {
+    if (c->rows[i] > 16 || c->colsb[i] > 64 || (c->colsb[i] & 3)) emu_fail("tile shape out of range");
+    emu_tile[i].rows = c->rows[i];
+    emu_tile[i].colsb = c->colsb[i];
+    memset(emu_tile[i].b, 0, sizeof emu_tile[i].b);
+  }
+  emu_on = true;
+}
+static EmuTile& emu_get(int t) {
+  if (!emu_on) emu_fail("tile used without a configuration");
+  if (emu_tile[t].rows == 0) emu_fail("tile not configured");
+  return emu_tile[t];
+}
+static void emu_load(int t, const void* p, int64_t stride) {
+  EmuTile& e = emu_get(t);
+  for (int r = 0; r < e.rows; r++) memcpy(e.b[r], (const uint8_t*)p + r * stride, e.colsb);
+}
+static void emu_store(int t, void* p, int64_t stride) {
+  EmuTile& e = emu_get(t);
+  for (int r = 0; r < e.rows; r++) memcpy((uint8_t*)p + r * stride, e.b[r], e.colsb);
+}
+static void emu_zero(int t) { memset(emu_get(t).b, 0, sizeof emu_tile[t].b); }
+TGT512 static void emu_dpbf16ps(int tc, int ta, int tb) {
+  EmuTile &c = emu_get(tc), &a = emu_get(ta), &b = emu_get(tb);
+  if (c.rows != a.rows || a.colsb / 4 != b.rows || c.colsb != b.colsb) emu_fail("tdpbf16ps: tile shapes disagree");
+  for (int m = 0; m < c.rows; m++)
+    for (int k = 0; k < a.colsb / 4; k++)
+      for (int n = 0; n < c.colsb / 4; n++) {
+        float acc;
+        memcpy(&acc, c.b[m] + 4 * n, 4);
+        uint16_t av[2], bv[2];
+        memcpy(av, a.b[m] + 4 * k, 4);
+        memcpy(bv, b.b[k] + 4 * n, 4);
+        for (int e = 0; e < 2; e++) acc = emu_flush(acc + emu_flush(bf16_to_f32(av[e])) * emu_flush(bf16_to_f32(bv[e])));
+        memcpy(c.b[m] + 4 * n, &acc, 4);
+      }
+}
+#define AMX_CONFIG(c) emu_config(c)
+#define AMX_RELEASE() (emu_on = false)
+#define AMX_ZERO(t) emu_zero(t)
+#define AMX_LOAD(t, p, s) emu_load(t, p, s)
+#define AMX_STORE(t, p, s) emu_store(t, p, s)
+#define AMX_DP(c, a, b) emu_dpbf16ps(c, a, b)
+#define MTP_AMX_BUILT 1
+#elif (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+// GCC's tileloadd is an asm statement that does not tell the compiler it reads memory: a compiler barrier first.
+#define AMX_CONFIG(c) _tile_loadconfig(c)
+#define AMX_RELEASE() _tile_release()
+#define AMX_ZERO(t) _tile_zero(t)
+#define AMX_LOAD(t, p, s)                \
+  do {                                   \
+    __asm__ volatile("" ::: "memory");   \
+    _tile_loadd(t, p, s);                \
+  } while (0)
+#define AMX_STORE(t, p, s) _tile_stored(t, p, s)
+#define AMX_DP(c, a, b) _tile_dpbf16ps(c, a, b)
+#define MTP_AMX_BUILT 1
+#else
+#define MTP_AMX_BUILT 0
+#endif
+
+// 1: this library has the AMX path (real or emulated), 2: emulated, 0: the compiler could not build it.
+extern "C" int32_t mtp_amx_built(void) {
+#if defined(MTP_AMX_EMULATE)
+  return 2;
+#else
+  return MTP_AMX_BUILT;
+#endif
+}
+
+// Ask Linux for the AMX tile state (once per process, every thread); 0 on success, else errno.
+extern "C" int32_t mtp_amx_init(void) {
+#if defined(MTP_AMX_EMULATE)
+  return 0;
+#elif MTP_AMX_BUILT && defined(SYS_arch_prctl)
+  const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return errno ? errno : -1;
+  return 0;
+#else
+  return ENOSYS;
+#endif
+}
+
+// Continue the sums of V column blocks for M rows over pairs [j0, k2) with vdpbf16ps (pair tails of a k2 that
+// is not a multiple of 16): each element's order stays pair by pair.
+TGT512 static void amx_tail(const uint16_t* w, int64_t k2, int64_t j0, const uint32_t* x, int64_t ldx, int M, int V,
+                            float* out, int64_t ldo) {
+  for (int r = 0; r < M; r++)
+    for (int v = 0; v < V; v++) {
+      __m512 acc = _mm512_loadu_ps(out + r * ldo + v * 16);
+      for (int64_t j = j0; j < k2; j++) {
+        const __m512i wv = _mm512_loadu_si512((const void*)(w + v * k2 * 32 + j * 32));
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)x[r * ldx + j]), (__m512bh)wv);
+      }
+      _mm512_storeu_ps(out + r * ldo + v * 16, acc);
+    }
+}
+
+#if MTP_AMX_BUILT
+// Tile shapes for M rows: accumulators and activations M x 64 bytes, weights 16 x 64 bytes.
+TGTAMX static void amx_configure(int M) {
+  TileConfig c;
+  memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int i = 0; i < 5; i++) { c.rows[i] = (uint8_t)M; c.colsb[i] = 64; }
+  for (int i = 5; i < 7; i++) { c.rows[i] = 16; c.colsb[i] = 64; }
+  AMX_CONFIG(&c);
+}
+
+// V (1-4) column blocks for the configured M rows: out[m, v * 16 + c] = sum over pairs of x[m] . w[v][c].
+template <int V>
+TGTAMX static void mk_amx(const uint16_t* w, int64_t k2, const uint32_t* x, int64_t ldx, float* out, int64_t ldo) {
+  const int64_t panel = k2 * 32, kfull = k2 / 16 * 16;
+  AMX_ZERO(0);
+  if (V > 1) AMX_ZERO(1);
+  if (V > 2) AMX_ZERO(2);
+  if (V > 3) AMX_ZERO(3);
+  for (int64_t j = 0; j < kfull; j += 16) {
+    AMX_LOAD(4, x + j, ldx * 4);
+    AMX_LOAD(5, w + j * 32, 64);
+    if (V > 1) AMX_LOAD(6, w + panel + j * 32, 64);
+    AMX_DP(0, 4, 5);
+    if (V > 2) AMX_LOAD(5, w + 2 * panel + j * 32, 64);
+    if (V > 1) AMX_DP(1, 4, 6);
+    if (V > 3) AMX_LOAD(6, w + 3 * panel + j * 32, 64);
+    if (V > 2) AMX_DP(2, 4, 5);
+    if (V > 3) AMX_DP(3, 4, 6);
+  }
+  AMX_STORE(0, out, ldo * 4);
+  if (V > 1) AMX_STORE(1, out + 16, ldo * 4);
+  if (V > 2) AMX_STORE(2, out + 32, ldo * 4);
+  if (V > 3) AMX_STORE(3, out + 48, ldo * 4);
+}
+
+// Column blocks [b0, b1) of a LAYOUT_BF16_PAIRS weight for T rows: full groups of 16 rows first (one tile
+// configuration; each 4-block column group goes through all of them while its weights are in cache), then the
+// remaining rows.
+TGTAMX static void amx_blocks(const mtp_linear* L, int T, const uint32_t* xp, int64_t ldxp, float* out, int64_t ldo,
+                              int64_t b0, int64_t b1) {
+  const int64_t k2 = cdiv(L->k, 2), kfull = k2 / 16 * 16;
+  const uint16_t* w0 = (const uint16_t*)L->w;
+  const int full = T / 16, rest = T % 16;
+  for (int pass = 0; pass < 2; pass++) {
+    const int M = pass == 0 ? 16 : rest, g0 = pass == 0 ? 0 : full, g1 = pass == 0 ? full : full + 1;
+    if (M == 0 || g0 == g1) continue;
+    amx_configure(M);
+    for (int64_t b = b0; b < b1; b += 4) {
+      const int V = (int)((b1 - b) < 4 ? (b1 - b) : 4);
+      const uint16_t* w = w0 + b * k2 * 32;
+      for (int g = g0; g < g1; g++) {
+        const uint32_t* x = xp + (int64_t)g * 16 * ldxp;
+        float* o = out + (int64_t)g * 16 * ldo + b * 16;
+        switch (V) {
+          case 1: mk_amx<1>(w, k2, x, ldxp, o, ldo); break;
+          case 2: mk_amx<2>(w, k2, x, ldxp, o, ldo); break;
+          case 3: mk_amx<3>(w, k2, x, ldxp, o, ldo); break;
+          default: mk_amx<4>(w, k2, x, ldxp, o, ldo); break;
+        }
+        if (kfull < k2) amx_tail(w, k2, kfull, x, ldxp, M, V, o, ldo);
+      }
+    }
+  }
+  AMX_RELEASE();
+}
+#else
+static void amx_blocks(const mtp_linear*, int, const uint32_t*, int64_t, float*, int64_t, int64_t, int64_t) { abort(); }
+#endif
+
+// Column blocks [b0, b1) for all T rows, on the calling thread.
+static void gemm_blocks(const mtp_linear* L, int isa, int T, const float* x, int64_t ldx, const uint32_t* xp,
+                        int64_t ldxp, float* out, int64_t ldo, int64_t b0, int64_t b1) {
+  const int64_t k = L->k;
+  int vmax, rmax;
+  if (isa == ISA_AMX && L->layout == LAYOUT_BF16_PAIRS) {
+    amx_blocks(L, T, xp, ldxp, out, ldo, b0, b1);
+    return;
+  }
+  const bool zmm = L->layout == LAYOUT_BF16_PAIRS || (isa >= ISA_AVX512BF16 && L->layout == LAYOUT_F32);
+  if (zmm) { vmax = 4; rmax = 4; }  // 32 zmm registers
+  else { vmax = T <= 1 ? 3 : 1; rmax = T <= 1 ? 1 : 4; }  // AVX2: 16 ymm registers
+  for (int64_t b = b0; b < b1; b += vmax) {
+    int V = (int)((b1 - b) < vmax ? (b1 - b) : vmax);
+    for (int t = 0; t < T; t += rmax) {
+      int R = (T - t) < rmax ? (T - t) : rmax;
+      float* o = out + t * ldo + b * 16;
+      if (L->layout == LAYOUT_BF16_PAIRS) {
+        const void* w = (const uint16_t*)L->w + b * cdiv(k, 2) * 32;
+        DISPATCH_RV(mk_512_bf16, 4, w, cdiv(k, 2), xp + t * ldxp, ldxp, o, ldo)
+      } else if (isa >= ISA_AVX512BF16 && L->layout == LAYOUT_F32) {
+        const void* w = (const float*)L->w + b * k * 16;
+        DISPATCH_RV(mk_512_f32, 4, w, k, x + t * ldx, ldx, o, ldo)
+      } else if (L->layout == LAYOUT_F32) {
+        const void* w = (const float*)L->w + b * k * 16;
+        DISPATCH_RV(mk_avx2_f32, 4, w, k, x + t * ldx, ldx, o, ldo)
+      } else {
+        const void* w = (const uint16_t*)L->w + b * k * 16;
+        DISPATCH_RV(mk_avx2_bf16, 4, w, k, x + t * ldx, ldx, o, ldo)
+      }
+    }
+  }
+}

@@ -1,0 +1,152 @@
+// Part of mtp_kernels.cpp, included once into that one translation unit: the work around the products on 8 lanes: exp, sums, attention's dot products, norms.
+// ------------------------------------------------------------------------------------------------ AVX2 math
+// exp on 8 lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial); |error| ~1 ulp, lane-wise.
+TGT2 static inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447504019f);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, z, x);
+  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// exp of n floats in place, 8 at a time (a tail is padded: every element goes through the same lanes' code)
+TGT2 static void exp_inplace(float* v, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, exp8(_mm256_loadu_ps(v + i)));
+  if (i < n) {
+    float tmp[8] = {0};
+    for (int64_t j = i; j < n; j++) tmp[j - i] = v[j];
+    _mm256_storeu_ps(tmp, exp8(_mm256_loadu_ps(tmp)));
+    for (int64_t j = i; j < n; j++) v[j] = tmp[j - i];
+  }
+}
+
+// Sum of n floats: 8 lanes over the vector body (tail padded with zeros), then the lanes in a fixed order.
+TGT2 static float sum_lanes(const float* v, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(v + i));
+  float tmp[8] = {0};
+  for (int64_t j = i; j < n; j++) tmp[j - i] = v[j];
+  acc = _mm256_add_ps(acc, _mm256_loadu_ps(tmp));
+  _mm256_storeu_ps(tmp, acc);
+  return ((tmp[0] + tmp[1]) + (tmp[2] + tmp[3])) + ((tmp[4] + tmp[5]) + (tmp[6] + tmp[7]));
+}
+
+// Dot product of n floats, same shape of sum as sum_lanes.
+TGT2 static float dot_lanes(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float ta[8] = {0}, tb[8] = {0};
+  for (int64_t j = i; j < n; j++) { ta[j - i] = a[j]; tb[j - i] = b[j]; }
+  acc = _mm256_fmadd_ps(_mm256_loadu_ps(ta), _mm256_loadu_ps(tb), acc);
+  _mm256_storeu_ps(ta, acc);
+  return ((ta[0] + ta[1]) + (ta[2] + ta[3])) + ((ta[4] + ta[5]) + (ta[6] + ta[7]));
+}
+
+// The dot product of q with one cached key (bf16 or float32 entries): the lanes and order of dot_lanes.
+TGT2 static float dot_kv(const float* q, const void* kc, int dtype, int64_t off, int hd) {
+  if (dtype != DT_BF16) return dot_lanes(q, (const float*)kc + off, hd);
+  const uint16_t* k = (const uint16_t*)kc + off;
+  __m256 acc = _mm256_setzero_ps();
+  int d = 0;
+  for (; d + 8 <= hd; d += 8) {
+    __m256 kf = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(k + d))), 16));
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), kf, acc);
+  }
+  float ta[8] = {0}, tb[8] = {0};
+  for (int j = d; j < hd; j++) { ta[j - d] = q[j]; tb[j - d] = bf16_to_f32(k[j]); }
+  acc = _mm256_fmadd_ps(_mm256_loadu_ps(ta), _mm256_loadu_ps(tb), acc);
+  _mm256_storeu_ps(ta, acc);
+  return ((ta[0] + ta[1]) + (ta[2] + ta[3])) + ((ta[4] + ta[5]) + (ta[6] + ta[7]));
+}
+
+// A cached key's 8 lanes at d (bf16 widened, or float32).
+TGT2 static inline __m256 key8(const void* kc, int dtype, int64_t off) {
+  if (dtype != DT_BF16) return _mm256_loadu_ps((const float*)kc + off);
+  const uint16_t* k = (const uint16_t*)kc + off;
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)k)), 16));
+}
+
+// Scores of q with 8 cached keys at once (offsets off[0..7]), for head_dim a multiple of 8: each key's lanes
+// and sums exactly as dot_kv's (its zero tail included), so each score has dot_kv's bits; the 8 horizontal sums
+// run as one transpose (hadd pairs lanes as dot_kv's ((0+1)+(2+3))+((4+5)+(6+7)) does).
+TGT2 static void dot_kv8(const float* q, const void* kc, int dtype, const int64_t* off, int hd, float* out) {
+  __m256 a[8];
+  for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+  for (int d = 0; d < hd; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, key8(kc, dtype, off[j] + d), a[j]);
+  }
+  const __m256 z = _mm256_setzero_ps();
+  for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(z, z, a[j]);  // dot_kv's padded tail step
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31)));
+}
+
+// acc[d] = fma(p, v[d], acc[d]) for one cached value (every lane one fused multiply-add, vector or tail).
+TGT2 static void axpy_kv(float* acc, float p, const void* vc, int dtype, int64_t off, int hd) {
+  const __m256 pv = _mm256_set1_ps(p);
+  int d = 0;
+  if (dtype == DT_BF16) {
+    const uint16_t* v = (const uint16_t*)vc + off;
+    for (; d + 8 <= hd; d += 8) {
+      __m256 vf = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(v + d))), 16));
+      _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, vf, _mm256_loadu_ps(acc + d)));
+    }
+    for (; d < hd; d++) acc[d] = fmaf(p, bf16_to_f32(v[d]), acc[d]);
+  } else {
+    const float* v = (const float*)vc + off;
+    for (; d + 8 <= hd; d += 8) _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc + d)));
+    for (; d < hd; d++) acc[d] = fmaf(p, v[d], acc[d]);
+  }
+}
+
+// o[d] = (sum_i p[i] v_i[d]) * inv rounded to the dtype, for head_dim a multiple of 64: axpy_kv's fused
+// multiply-adds in value order, with 64 lanes of the sum held in registers across the values.
+TGT2 static void weighted_values(const float* p, int64_t n, const void* vc, int dtype, const int64_t* off, int hd,
+                                 float inv, float* o) {
+  const __m256 iv = _mm256_set1_ps(inv);
+  for (int d0 = 0; d0 < hd; d0 += 64) {
+    constexpr int w = 8;
+    __m256 acc[8];
+    for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i++) {
+      const __m256 pv = _mm256_set1_ps(p[i]);
+      for (int c = 0; c < w; c++) acc[c] = _mm256_fmadd_ps(pv, key8(vc, dtype, off[i] + d0 + 8 * c), acc[c]);
+    }
+    for (int c = 0; c < w; c++) _mm256_storeu_ps(o + d0 + 8 * c, to_dtype8(_mm256_mul_ps(acc[c], iv), dtype));
+  }
+}
+
+// transformers' RMSNorm: float32 statistics, x * rsqrt(mean(x^2) + eps) rounded to the dtype, times the
+// weight (rounded again in bf16).
+TGT2 static void rms_norm_row(const float* x, const float* w, float* y, int64_t n, float eps, int dtype) {
+  float ss = dot_lanes(x, x, n);
+  float r = 1.0f / sqrtf(ss / (float)n + eps);
+  const __m256 rv = _mm256_set1_ps(r);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, to_dtype8(_mm256_mul_ps(_mm256_loadu_ps(w + i),
+                                                    to_dtype8(_mm256_mul_ps(_mm256_loadu_ps(x + i), rv), dtype)), dtype));
+  for (; i < n; i++) {
+    float h = x[i] * r;
+    if (dtype == DT_BF16) h = round_bf16(h);
+    float v = w[i] * h;
+    y[i] = dtype == DT_BF16 ? round_bf16(v) : v;
+  }
+}

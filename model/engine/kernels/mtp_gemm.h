@@ -1,0 +1,172 @@
+// Part of mtp_kernels.cpp, included once into that one translation unit: the projections' micro-kernels and their dispatch (AVX2, AVX512F, AVX512-BF16).
+// ------------------------------------------------------------------------------------------------ GEMM
+// out[t, n] = sum_k x[t, k] w[n, k] for rows t < T, columns of blocks [b0, b1) of 16; out has row stride ldo
+// (>= 16 * nb). Every element: one accumulator, k in increasing order (pairs of k for vdpbf16ps).
+
+// Each micro-kernel streams V column panels for its rows and meanwhile asks for the same lines of the next V
+// panels into L2 (prefetcht1), so the next column group's weights arrive while this one computes: memory and
+// arithmetic overlap (SmolLM2 bf16, one thread: 5% faster at 1 row, 10% at 4, 15-30% at 8-16; a prefetch into
+// L1, or a fixed distance ahead in the same panel, was slower). Prefetches past the weight are harmless.
+static inline void prefetch_next(const void* w, int elem_bytes, int64_t at) {
+  _mm_prefetch((const char*)w + at * elem_bytes, _MM_HINT_T1);
+}
+
+// AVX2, weights LAYOUT_F32 or LAYOUT_BF16, x float32 [T, ldx]. V blocks of 16 columns, R rows.
+template <int R, int V, bool BF16>
+TGT2 static void mk_avx2(const void* w, int64_t k, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  __m256 acc[R][V][2];
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < V; v++) acc[r][v][0] = acc[r][v][1] = _mm256_setzero_ps();
+  const int64_t panel = k * 16;
+  for (int64_t j = 0; j < k; j++) {
+    __m256 wl[V], wh[V];
+    for (int v = 0; v < V; v++) {
+      prefetch_next(w, BF16 ? 2 : 4, (V + v) * panel + j * 16);
+      if (BF16) {  // columns 0-7 in the low halves of the 32-bit slots, 8-15 in the high halves
+        const __m256i p = _mm256_loadu_si256((const __m256i*)((const uint16_t*)w + v * panel + j * 16));
+        wl[v] = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
+        wh[v] = _mm256_castsi256_ps(_mm256_and_si256(p, _mm256_set1_epi32((int)0xffff0000u)));
+      } else {
+        const float* p = (const float*)w + v * panel + j * 16;
+        wl[v] = _mm256_loadu_ps(p);
+        wh[v] = _mm256_loadu_ps(p + 8);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      __m256 xb = _mm256_broadcast_ss(x + r * ldx + j);
+      for (int v = 0; v < V; v++) {
+        acc[r][v][0] = _mm256_fmadd_ps(xb, wl[v], acc[r][v][0]);
+        acc[r][v][1] = _mm256_fmadd_ps(xb, wh[v], acc[r][v][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < V; v++) {
+      _mm256_storeu_ps(out + r * ldo + v * 16, acc[r][v][0]);
+      _mm256_storeu_ps(out + r * ldo + v * 16 + 8, acc[r][v][1]);
+    }
+}
+
+// AVX512F, weights LAYOUT_F32, x float32.
+template <int R, int V>
+TGT512 static void mk_512_f32(const void* w, int64_t k, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  __m512 acc[R][V];
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < V; v++) acc[r][v] = _mm512_setzero_ps();
+  const int64_t panel = k * 16;
+  for (int64_t j = 0; j < k; j++) {
+    __m512 wv[V];
+    for (int v = 0; v < V; v++) {
+      prefetch_next(w, 4, (V + v) * panel + j * 16);
+      wv[v] = _mm512_loadu_ps((const float*)w + v * panel + j * 16);
+    }
+    for (int r = 0; r < R; r++) {
+      __m512 xb = _mm512_set1_ps(x[r * ldx + j]);
+      for (int v = 0; v < V; v++) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < V; v++) _mm512_storeu_ps(out + r * ldo + v * 16, acc[r][v]);
+}
+
+// AVX512-BF16, weights LAYOUT_BF16_PAIRS, x bf16 pairs [T, ldx] (uint32 = two bf16).
+template <int R, int V>
+TGT512 static void mk_512_bf16(const void* w, int64_t k2, const uint32_t* x, int64_t ldx, float* out, int64_t ldo) {
+  __m512 acc[R][V];
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < V; v++) acc[r][v] = _mm512_setzero_ps();
+  const int64_t panel = k2 * 32;
+  const uint16_t* wp = (const uint16_t*)w;
+  for (int64_t j = 0; j < k2; j++) {
+    __m512i wv[V];
+    for (int v = 0; v < V; v++) {
+      prefetch_next(w, 2, (V + v) * panel + j * 32);
+      wv[v] = _mm512_loadu_si512((const void*)(wp + v * panel + j * 32));
+    }
+    for (int r = 0; r < R; r++) {
+      __m512i xb = _mm512_set1_epi32((int)x[r * ldx + j]);
+      for (int v = 0; v < V; v++)
+        acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)xb, (__m512bh)wv[v]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < V; v++) _mm512_storeu_ps(out + r * ldo + v * 16, acc[r][v]);
+}
+
+// One (row group, column group) tile through the micro-kernel that fits; R, V only change which registers
+// hold which accumulators, never an element's order.
+#define DISPATCH_RV(FN, RMAX, ...)                                                    \
+  switch (R * 8 + V) {                                                                \
+    case 1 * 8 + 1: FN<1, 1>(__VA_ARGS__); break;                                     \
+    case 1 * 8 + 2: FN<1, 2>(__VA_ARGS__); break;                                     \
+    case 1 * 8 + 3: FN<1, 3>(__VA_ARGS__); break;                                     \
+    case 1 * 8 + 4: FN<1, 4>(__VA_ARGS__); break;                                     \
+    case 2 * 8 + 1: FN<2, 1>(__VA_ARGS__); break;                                     \
+    case 2 * 8 + 2: FN<2, 2>(__VA_ARGS__); break;                                     \
+    case 2 * 8 + 3: FN<2, 3>(__VA_ARGS__); break;                                     \
+    case 2 * 8 + 4: FN<2, 4>(__VA_ARGS__); break;                                     \
+    case 3 * 8 + 1: FN<3, 1>(__VA_ARGS__); break;                                     \
+    case 3 * 8 + 2: FN<3, 2>(__VA_ARGS__); break;                                     \
+    case 3 * 8 + 3: FN<3, 3>(__VA_ARGS__); break;                                     \
+    case 3 * 8 + 4: FN<3, 4>(__VA_ARGS__); break;                                     \
+    case 4 * 8 + 1: FN<4, 1>(__VA_ARGS__); break;                                     \
+    case 4 * 8 + 2: FN<4, 2>(__VA_ARGS__); break;                                     \
+    case 4 * 8 + 3: FN<4, 3>(__VA_ARGS__); break;                                     \
+    case 4 * 8 + 4: FN<4, 4>(__VA_ARGS__); break;                                     \
+    default: break;                                                                   \
+  }
+
+// AVX2, one block of 16 columns for R (1-4) rows: mk_avx2<R, 1>'s arithmetic in named accumulators. GCC kept
+// mk_avx2's accumulator arrays in registers but also stored them to the stack on every step for R >= 3 (a
+// 4-row product took twice a 2-row one); named variables stay in registers.
+template <int R, bool BF16>
+TGT2 static void mk_avx2_v1(const void* w, int64_t k, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;
+  const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+  for (int64_t j = 0; j < k; j++) {
+    __m256 wl, wh;
+    prefetch_next(w, BF16 ? 2 : 4, k * 16 + j * 16);
+    if (BF16) {
+      const __m256i p = _mm256_loadu_si256((const __m256i*)((const uint16_t*)w + j * 16));
+      wl = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
+      wh = _mm256_castsi256_ps(_mm256_and_si256(p, high));
+    } else {
+      wl = _mm256_loadu_ps((const float*)w + j * 16);
+      wh = _mm256_loadu_ps((const float*)w + j * 16 + 8);
+    }
+    __m256 xb = _mm256_set1_ps(x[j]);
+    l0 = _mm256_fmadd_ps(xb, wl, l0);
+    h0 = _mm256_fmadd_ps(xb, wh, h0);
+    if (R > 1) {
+      xb = _mm256_set1_ps(x[ldx + j]);
+      l1 = _mm256_fmadd_ps(xb, wl, l1);
+      h1 = _mm256_fmadd_ps(xb, wh, h1);
+    }
+    if (R > 2) {
+      xb = _mm256_set1_ps(x[2 * ldx + j]);
+      l2 = _mm256_fmadd_ps(xb, wl, l2);
+      h2 = _mm256_fmadd_ps(xb, wh, h2);
+    }
+    if (R > 3) {
+      xb = _mm256_set1_ps(x[3 * ldx + j]);
+      l3 = _mm256_fmadd_ps(xb, wl, l3);
+      h3 = _mm256_fmadd_ps(xb, wh, h3);
+    }
+  }
+  _mm256_storeu_ps(out, l0);
+  _mm256_storeu_ps(out + 8, h0);
+  if (R > 1) { _mm256_storeu_ps(out + ldo, l1); _mm256_storeu_ps(out + ldo + 8, h1); }
+  if (R > 2) { _mm256_storeu_ps(out + 2 * ldo, l2); _mm256_storeu_ps(out + 2 * ldo + 8, h2); }
+  if (R > 3) { _mm256_storeu_ps(out + 3 * ldo, l3); _mm256_storeu_ps(out + 3 * ldo + 8, h3); }
+}
+
+template <int R, int V>
+TGT2 static void mk_avx2_bf16(const void* w, int64_t k, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  if (V == 1) mk_avx2_v1<R, true>(w, k, x, ldx, out, ldo);
+  else mk_avx2<R, V, true>(w, k, x, ldx, out, ldo);
+}
+template <int R, int V>
+TGT2 static void mk_avx2_f32(const void* w, int64_t k, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  if (V == 1) mk_avx2_v1<R, false>(w, k, x, ldx, out, ldo);
+  else mk_avx2<R, V, false>(w, k, x, ldx, out, ldo);
+}

@@ -1,0 +1,196 @@
+// Part of mtp_kernels.cpp, included once into that one translation unit: attention, rotary, SiLU-up and the whole forward pass (mtp_forward_batch).
+// ------------------------------------------------------------------------------------------------ the pass
+static inline void kv_put(void* base, int dtype, int64_t i, float v) {
+  if (dtype == DT_BF16) ((uint16_t*)base)[i] = f32_to_bf16(v);
+  else ((float*)base)[i] = v;
+}
+
+// Attention of query rows [T, heads * hd], each over its own sequence's cache (mtp_batch): row t of sequence
+// s (local index u0) sees every entry below pos[s] and entry pos[s] + u where visible[s][u0 * T_s + u] (NULL:
+// u <= u0). Each (row, head) is one task: its keys in cache order, its softmax and its weighted sum in a fixed
+// order; the result rounded to the dtype.
+TGT2 static void attention(const mtp_model* M, int T, const float* q, int64_t ldq, const mtp_batch* B, int layer,
+                           const int* row_seq, float* out, int64_t ldout, int nt) {
+  const int H = M->heads, hd = M->head_dim, groups = M->heads / M->kv_heads, dtype = M->dtype;
+  int64_t L = 0;
+  for (int s = 0; s < B->nseq; s++) {
+    const int64_t ls = B->pos[s] + B->row0[s + 1] - B->row0[s];
+    L = ls > L ? ls : L;
+  }
+  const int tasks = T * H;
+  parallel(nt, [&](int tid, int n_threads) {
+    static thread_local Scratch s_sc, s_acc, s_idx;
+    float* sc = s_sc.get(L + 8);
+    float* acc = s_acc.get(hd + 8);
+    int64_t* idx = (int64_t*)s_idx.get(2 * (L + 1));
+    const int per = tasks / n_threads, extra = tasks % n_threads;  // static schedule: contiguous tasks
+    const int task0 = tid * per + (tid < extra ? tid : extra), task1 = task0 + per + (tid < extra ? 1 : 0);
+    for (int task = task0; task < task1; task++) {
+      const int t = task / H, h = task % H, g = h / groups, sq = row_seq[t];
+      const int r0 = B->row0[sq], Ts = B->row0[sq + 1] - r0, t0 = t - r0;
+      const int64_t pos = B->pos[sq], cap = B->cap[sq];
+      const uint8_t* visible = B->visible[sq];
+      const void* kc = B->kcache[(int64_t)sq * M->layers + layer];
+      const void* vc = B->vcache[(int64_t)sq * M->layers + layer];
+      const float* qt = q + t * ldq + h * hd;
+      int64_t n = 0;
+      for (int64_t j = 0; j < pos; j++) idx[n++] = j;
+      for (int u = 0; u < Ts; u++)
+        if (visible ? visible[t0 * Ts + u] : (u <= t0)) idx[n++] = pos + u;
+      const int64_t kbase = (int64_t)g * cap * hd;
+      for (int64_t i = 0; i < n; i++) idx[i] = kbase + idx[i] * hd;  // element offsets of the keys / values
+      int64_t i8 = 0;
+      if (hd % 8 == 0)
+        for (; i8 + 8 <= n; i8 += 8) dot_kv8(qt, kc, dtype, idx + i8, hd, sc + i8);
+      for (int64_t i = i8; i < n; i++) sc[i] = dot_kv(qt, kc, dtype, idx[i], hd);
+      for (int64_t i = 0; i < n; i++) sc[i] *= M->scaling;
+      float m = -INFINITY;
+      for (int64_t i = 0; i < n; i++) m = sc[i] > m ? sc[i] : m;
+      for (int64_t i = 0; i < n; i++) sc[i] -= m;
+      exp_inplace(sc, n);
+      const float inv = 1.0f / sum_lanes(sc, n);
+      float* o = out + t * ldout + h * hd;
+      if (hd % 64 == 0) {
+        weighted_values(sc, n, vc, dtype, idx, hd, inv, o);
+        continue;
+      }
+      for (int d = 0; d < hd; d++) acc[d] = 0.f;
+      for (int64_t i = 0; i < n; i++) axpy_kv(acc, sc[i], vc, dtype, idx[i], hd);
+      for (int d = 0; d < hd; d++) o[d] = dtype == DT_BF16 ? round_bf16(acc[d] * inv) : acc[d] * inv;
+    }
+  });
+}
+
+// Rotary embedding x cos + rotate_half(x) sin with the first half of sin negated (sin_f), as transformers
+// rounds it in bf16: each product rounded, then the sum.
+TGT2 static void rotate(float* x, const float* cos, const float* sin_f, int hd, int dtype) {
+  float tmp[512];
+  const int half = hd / 2;
+  if (half % 8 == 0) {  // 8 lanes: the same products, roundings and sum as the scalar loop below
+    for (int d = 0; d < hd; d += 8) {
+      const int r = d < half ? d + half : d - half;
+      const __m256 a = to_dtype8(_mm256_mul_ps(_mm256_loadu_ps(x + d), _mm256_loadu_ps(cos + d)), dtype);
+      const __m256 b = to_dtype8(_mm256_mul_ps(_mm256_loadu_ps(x + r), _mm256_loadu_ps(sin_f + d)), dtype);
+      _mm256_storeu_ps(tmp + d, to_dtype8(_mm256_add_ps(a, b), dtype));
+    }
+    memcpy(x, tmp, sizeof(float) * hd);
+    return;
+  }
+  for (int d = 0; d < hd; d++) {
+    float a = x[d] * cos[d];
+    float b = x[(d + half) % hd] * sin_f[d];
+    if (dtype == DT_BF16) { a = round_bf16(a); b = round_bf16(b); }
+    float s = a + b;
+    tmp[d] = dtype == DT_BF16 ? round_bf16(s) : s;
+  }
+  memcpy(x, tmp, sizeof(float) * hd);
+}
+
+// SiLU(gate) * up, rounded as transformers does in bf16 (silu rounded, then the product).
+TGT2 static void silu_mul(const float* gu, int64_t ld, int T, int inter, float* act, int dtype) {
+  static thread_local Scratch s;
+  float* e = s.get(inter + 8);
+  for (int t = 0; t < T; t++) {
+    const float* g = gu + t * ld;
+    const float* u = g + inter;
+    for (int i = 0; i < inter; i++) e[i] = -g[i];
+    exp_inplace(e, inter);
+    int i0 = 0;
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i0 + 8 <= inter; i0 += 8) {
+      const __m256 s1 = to_dtype8(_mm256_div_ps(_mm256_loadu_ps(g + i0), _mm256_add_ps(one, _mm256_loadu_ps(e + i0))),
+                                  dtype);
+      _mm256_storeu_ps(act + t * inter + i0, to_dtype8(_mm256_mul_ps(s1, _mm256_loadu_ps(u + i0)), dtype));
+    }
+    for (int i = i0; i < inter; i++) {
+      float s1 = g[i] / (1.0f + e[i]);
+      if (dtype == DT_BF16) s1 = round_bf16(s1);
+      float v = s1 * u[i];
+      act[t * inter + i] = dtype == DT_BF16 ? round_bf16(v) : v;
+    }
+  }
+}
+
+static int forward_batch(const mtp_model* M, float* x, int32_t T, const mtp_batch* B, const float* cos,
+                         const float* sin_f, float* logits, int32_t nt);
+
+extern "C" int mtp_forward_batch(const mtp_model* M, float* x, int32_t T, const mtp_batch* B, const float* cos,
+                                 const float* sin_f, float* logits, int32_t nt) {
+  const int rc = forward_batch(M, x, T, B, cos, sin_f, logits, nt);
+  trim_scratch();
+  return rc;
+}
+
+static int forward_batch(const mtp_model* M, float* x, int32_t T, const mtp_batch* B, const float* cos,
+                         const float* sin_f, float* logits, int32_t nt) {
+  // x: [T, hidden] the embeddings of every sequence's rows (float32 holding dtype values), updated in place.
+  // cos / sin_f: [T, hd] (each row's rotary table row, sin's first half negated).
+  // logits: [B->nkeep, head.n] float32 (rounded to the dtype) of the rows B->keep.
+  if (nt < 1) nt = 1;
+  const int Hd = M->hidden, H = M->heads, KV = M->kv_heads, hd = M->head_dim, I = M->inter, dt = M->dtype;
+  if (hd > 512 || B->nseq < 1 || B->row0[B->nseq] != T) return 1;
+  const int64_t qkv_n = (int64_t)(H + 2 * KV) * hd;
+  static thread_local Scratch s_h, s_qkv, s_a, s_gu, s_act, s_o, s_seq;
+  float* h = s_h.get((int64_t)T * Hd);
+  float* qkv = s_qkv.get((int64_t)T * qkv_n);
+  float* a = s_a.get((int64_t)T * H * hd);
+  float* gu = s_gu.get((int64_t)T * 2 * I);
+  float* act = s_act.get((int64_t)T * I);
+  float* o = s_o.get((int64_t)T * (Hd > I ? Hd : I));
+  int* row_seq = (int*)s_seq.get(T + 1);
+  for (int sq = 0; sq < B->nseq; sq++)
+    for (int t = B->row0[sq]; t < B->row0[sq + 1]; t++) row_seq[t] = sq;
+  const uint8_t* am = B->adapter;
+  for (int li = 0; li < M->layers; li++) {
+    const mtp_layer* Ly = &M->layer[li];
+    for (int t = 0; t < T; t++) rms_norm_row(x + t * Hd, Ly->ln1, h + t * Hd, Hd, M->eps, dt);
+    linear(M, &Ly->qkv, T, h, Hd, qkv, qkv_n, am, nt);
+    for (int t = 0; t < T; t++) {
+      float* row = qkv + t * qkv_n;
+      for (int hh = 0; hh < H + KV; hh++) {
+        float* v = row + hh * hd;
+        if (Ly->q_norm) rms_norm_row(v, hh < H ? Ly->q_norm : Ly->k_norm, v, hd, M->eps, dt);
+        rotate(v, cos + t * hd, sin_f + t * hd, hd, dt);
+      }
+      const int sq = row_seq[t];
+      void* kc = B->kcache[(int64_t)sq * M->layers + li];
+      void* vc = B->vcache[(int64_t)sq * M->layers + li];
+      const int64_t at0 = B->pos[sq] + t - B->row0[sq];
+      for (int g = 0; g < KV; g++)
+        for (int d = 0; d < hd; d++) {
+          const int64_t at = ((int64_t)g * B->cap[sq] + at0) * hd + d;
+          kv_put(kc, dt, at, row[(H + g) * hd + d]);
+          kv_put(vc, dt, at, row[(H + KV + g) * hd + d]);
+        }
+    }
+    attention(M, T, qkv, qkv_n, B, li, row_seq, a, (int64_t)H * hd, nt);
+    linear(M, &Ly->o, T, a, (int64_t)H * hd, o, Hd, am, nt);
+    add_round_row(x, o, (int64_t)T * Hd, dt);
+    for (int t = 0; t < T; t++) rms_norm_row(x + t * Hd, Ly->ln2, h + t * Hd, Hd, M->eps, dt);
+    linear(M, &Ly->gate_up, T, h, Hd, gu, 2 * I, am, nt);
+    silu_mul(gu, 2 * I, T, I, act, dt);
+    linear(M, &Ly->down, T, act, I, o, Hd, am, nt);
+    add_round_row(x, o, (int64_t)T * Hd, dt);
+  }
+  const int keep = B->nkeep;
+  static thread_local Scratch s_km;
+  uint8_t* kmask = (uint8_t*)s_km.get(keep / 4 + 2);
+  for (int i = 0; i < keep; i++) {
+    const int t = B->keep[i];
+    if (t < 0 || t >= T) return 2;
+    rms_norm_row(x + t * Hd, M->norm, h + i * Hd, Hd, M->eps, dt);
+    kmask[i] = am ? am[t] : 0;
+  }
+  const int64_t V = M->head.n;
+  linear(M, &M->head, keep, h, Hd, logits, V, nullptr, nt);
+  if (M->head_override.n > 0 && am) {  // peft's trained output rows, on the adapter rows only
+    const int n = M->head_override.n;
+    for (int i = 0; i < keep; i++) {
+      if (!kmask[i]) continue;
+      float* ov = s_o.get(n + 16);
+      linear(M, &M->head_override, 1, h + (int64_t)i * Hd, Hd, ov, n, nullptr, nt);
+      for (int j = 0; j < n; j++) logits[(int64_t)i * V + M->override_idx[j]] = ov[j];
+    }
+  }
+  return 0;
+}

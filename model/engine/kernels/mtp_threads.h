@@ -1,0 +1,190 @@
+// Part of mtp_kernels.cpp, included once into that one translation unit: our thread pool, per-thread scratch and the projection with its adapter (linear).
+// ------------------------------------------------------------------------------------------------ threads
+// One pool for the process: parallel(nt, f) runs f(tid, nt) for tid = 0 .. nt - 1, tid 0 on the calling thread
+// and the others on the pool's workers (created on first need, kept for the life of the process). Regions from
+// several calling threads take turns (a mutex). A worker spins for SPIN_NS after its last task, then sleeps on
+// a futex: the regions of one pass follow each other within microseconds and find the workers awake; between
+// passes they sleep and leave the cores to other work. The partition (share(), tid) alone decides who computes
+// what, so results do not depend on the pool.
+static const int64_t SPIN_NS = 200000;
+static inline int64_t now_ns() {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+struct Pool {
+  std::mutex run_lock;                 // one region at a time
+  std::atomic<uint32_t> gen{0};        // bumped for each region (the futex word)
+  std::atomic<int> pending{0};         // workers still busy with the current region
+  std::atomic<int> sleepers{0};
+  int workers = 0;
+  void (*fn)(void*, int, int) = nullptr;
+  void* ctx = nullptr;
+  int nt = 1;
+};
+static Pool* pool() {
+  static Pool* p = new Pool();  // never destroyed: the workers outlive static destructors at exit
+  return p;
+}
+static void futex_wait(std::atomic<uint32_t>* a, uint32_t v) {
+  syscall(SYS_futex, (uint32_t*)a, FUTEX_WAIT_PRIVATE, v, nullptr, nullptr, 0);
+}
+static void futex_wake(std::atomic<uint32_t>* a) {
+  syscall(SYS_futex, (uint32_t*)a, FUTEX_WAKE_PRIVATE, 0x7fffffff, nullptr, nullptr, 0);
+}
+static void worker_main(int tid, uint32_t seen) {
+  Pool* P = pool();
+  for (;;) {
+    uint32_t g;
+    int64_t t0 = now_ns();
+    int spins = 0;
+    while ((g = P->gen.load(std::memory_order_acquire)) == seen) {
+      if (++spins < 64) { _mm_pause(); continue; }
+      spins = 0;
+      if (now_ns() - t0 < SPIN_NS) continue;
+      P->sleepers.fetch_add(1);
+      futex_wait(&P->gen, seen);
+      P->sleepers.fetch_sub(1);
+      t0 = now_ns();
+    }
+    seen = g;
+    if (tid < P->nt) P->fn(P->ctx, tid, P->nt);
+    P->pending.fetch_sub(1, std::memory_order_release);
+  }
+}
+template <class F> static void parallel(int nt, F&& f) {
+  if (nt <= 1) {
+    f(0, 1);
+    return;
+  }
+  Pool* P = pool();
+  std::lock_guard<std::mutex> lock(P->run_lock);
+  while (P->workers < nt - 1) {  // a new worker starts at the current generation: it waits for the next region
+    std::thread(worker_main, ++P->workers, P->gen.load()).detach();
+  }
+  typedef typename std::remove_reference<F>::type Fn;
+  P->fn = [](void* c, int tid, int n) { (*(Fn*)c)(tid, n); };
+  P->ctx = (void*)&f;
+  P->nt = nt;
+  P->pending.store(P->workers, std::memory_order_relaxed);
+  P->gen.fetch_add(1);  // publishes fn, ctx, nt (sequentially consistent, as the sleepers count)
+  if (P->sleepers.load() > 0) futex_wake(&P->gen);
+  f(0, nt);
+  int64_t t0 = now_ns();
+  for (int spins = 0; P->pending.load(std::memory_order_acquire) != 0;) {
+    _mm_pause();
+    if (++spins >= 64) {
+      spins = 0;
+      if (now_ns() - t0 > SPIN_NS) sched_yield();  // a worker lost its core: let it have ours
+    }
+  }
+}
+
+
+// Thread tid's share of nb column blocks (contiguous, in multiples of 4 blocks).
+static inline void share(int64_t nb, int tid, int nt, int64_t* b0, int64_t* b1) {
+  int64_t units = cdiv(nb, 4);
+  int64_t per = units / nt, extra = units % nt;
+  int64_t u0 = tid * per + (tid < extra ? tid : extra);
+  int64_t u1 = u0 + per + (tid < extra ? 1 : 0);
+  *b0 = u0 * 4 < nb ? u0 * 4 : nb;
+  *b1 = u1 * 4 < nb ? u1 * 4 : nb;
+}
+
+// A thread's scratch buffer (grown as needed). A thread's buffers are freed at the end of a pass when together they
+// hold more than SCRATCH_KEEP_FLOATS (trim_scratch): a long prefill or scoring pass (T in the thousands, logits
+// kept for hundreds of rows) needs ~100-300 MB, which every thread that ever ran one would otherwise keep for
+// its life (a web server's worker threads: defect 6). Decoding passes (tens of rows, logits of as many) stay
+// under it and keep theirs.
+static const int64_t SCRATCH_KEEP_FLOATS = 8 << 20;  // 32 MB per thread
+struct Scratch;
+static thread_local Scratch* t_scratch = nullptr;  // the calling thread's buffers, a list
+struct Scratch {
+  float* p = nullptr;
+  int64_t n = 0;
+  Scratch* next;
+  Scratch() : next(t_scratch) { t_scratch = this; }
+  float* get(int64_t want) {
+    if (want > n) {
+      free(p);
+      n = want + want / 2 + 64;
+      if (posix_memalign((void**)&p, 64, n * sizeof(float)) != 0) p = nullptr;
+    }
+    return p;
+  }
+  ~Scratch() { free(p); }
+};
+static void trim_scratch() {
+  int64_t held = 0;
+  for (Scratch* s = t_scratch; s; s = s->next) held += s->n;
+  if (held <= SCRATCH_KEEP_FLOATS) return;
+  for (Scratch* s = t_scratch; s; s = s->next) {
+    free(s->p);
+    s->p = nullptr;
+    s->n = 0;
+  }
+}
+
+// y[T, n] (row stride ldy) = x[T, k] W^T (+ bias), rounded to the dtype; then the rows where amask is 1 get
+// the adapter's delta (peft's order: base result in the dtype + float32 delta, rounded again).
+static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* x, int64_t ldx, float* y,
+                   int64_t ldy, const uint8_t* amask, int nt) {
+  const int64_t n = L->n, k = L->k, nb = cdiv(n, 16), ldo = nb * 16;
+  static thread_local Scratch s_out, s_xp, s_u;
+  float* out = (ldy == ldo) ? y : s_out.get((int64_t)T * ldo);
+  uint32_t* xp = nullptr;
+  int64_t ldxp = cdiv(k, 2);
+  if (L->layout == LAYOUT_BF16_PAIRS) {  // activations as bf16 pairs (exact: they hold bf16 values)
+    xp = (uint32_t*)s_xp.get((int64_t)T * ldxp);
+    for (int t = 0; t < T; t++) {
+      uint16_t* d = (uint16_t*)(xp + t * ldxp);
+      to_bf16_row(x + t * ldx, d, k);
+      if (k & 1) d[k] = 0;
+    }
+  }
+  parallel(nt, [&](int tid, int n_threads) {
+    int64_t b0, b1;
+    share(nb, tid, n_threads, &b0, &b1);
+    if (b0 < b1) gemm_blocks(L, M->isa, T, x, ldx, xp, ldxp, out, ldo, b0, b1);
+  });
+  for (int t = 0; t < T; t++) bias_round_row(out + t * ldo, L->bias, y + t * ldy, n, M->dtype);
+  if (!amask || L->rank == 0) return;
+  static thread_local Scratch s_rows;
+  int arows = 0;
+  for (int t = 0; t < T; t++) arows += amask[t] ? 1 : 0;
+  if (arows == 0) return;
+  // the adapter rows gathered (a copy: the same bits as computing them in place)
+  float* xa = s_rows.get((int64_t)arows * k + 1);
+  int* rows = (int*)malloc(sizeof(int) * arows);
+  for (int t = 0, i = 0; t < T; t++)
+    if (amask[t]) { rows[i] = t; memcpy(xa + (int64_t)i * k, x + (int64_t)t * ldx, sizeof(float) * k); i++; }
+  // u = x A^T for the adapter rows (float32 u): the same column kernel on A
+  mtp_linear A;
+  memset(&A, 0, sizeof A);
+  A.w = L->lora_a; A.n = L->rank; A.k = L->k; A.layout = L->lora_layout;
+  const int64_t nbu = cdiv(L->rank, 16), ldu = nbu * 16;
+  float* u = s_u.get((int64_t)arows * ldu);
+  parallel(nt, [&](int tid, int n_threads) {
+    int64_t b0, b1;
+    share(nbu, tid, n_threads, &b0, &b1);
+    if (b0 < b1) gemm_blocks(&A, M->isa, arows, xa, k, nullptr, 0, u, ldu, b0, b1);
+  });
+  // delta[t, j] = sum_r u[t, r] B[j, r] over the member's ranks only (no zero blocks), r in order: the same
+  // column kernel on B (packed [out_m, r_m])
+  static thread_local Scratch s_d;
+  for (int m = 0; m < L->members; m++) {
+    const int o0 = L->m_out0[m], om = L->m_out1[m] - o0, r0 = L->m_r0[m], rr = L->m_r1[m] - r0;
+    mtp_linear Bm;
+    memset(&Bm, 0, sizeof Bm);
+    Bm.w = L->m_b[m]; Bm.n = om; Bm.k = rr; Bm.layout = L->lora_layout;
+    const int64_t nbm = cdiv(om, 16), ldd = nbm * 16;
+    float* d = s_d.get((int64_t)arows * ldd);
+    parallel(nt, [&](int tid, int n_threads) {
+      int64_t b0, b1;
+      share(nbm, tid, n_threads, &b0, &b1);
+      if (b0 < b1) gemm_blocks(&Bm, M->isa, arows, u + r0, ldu, nullptr, 0, d, ldd, b0, b1);
+    });
+    for (int t = 0; t < arows; t++) add_round_row(y + (int64_t)rows[t] * ldy + o0, d + t * ldd, om, M->dtype);
+  }
+  free(rows);
+}
