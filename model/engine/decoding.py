@@ -290,7 +290,7 @@ class Decoder:
             draft_confidences=list(conf[:d]), drafts_accepted=acc.drafts_accepted, correction=acc.correction,
             correction_text=decode([acc.correction]) if acc.correction is not None else "",
             next_drafts=list(self.drafts),
-            **self.strategy.block_record(layout, blocks, [[decode([t]) for t in b] for b in blocks], block_conf),
+            **self.strategy.block_record(layout, blocks, block_conf, decode),
         )
 
     def _text_delta(self) -> str:

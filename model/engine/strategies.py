@@ -100,9 +100,9 @@ class Strategy:
         """The tokens the next pass feeds first (not yet in the KV cache): every kept token of a block strategy."""
         return list(kept)
 
-    def block_record(self, layout: Any, blocks: list, texts: list, confidences: list) -> dict:
-        """Fields of the :class:`~model.engine.records.PassRecord` about the mask blocks and the next drafts, from
-        the pass's ``blocks`` of proposals (their texts and confidences): empty for a block strategy, whose one
+    def block_record(self, layout: Any, blocks: list, confidences: list, decode: Any) -> dict:
+        """Fields of the :class:`~model.engine.records.PassRecord` about the mask blocks, from the pass's ``blocks``
+        of proposals and their ``confidences`` (``decode``: ids -> text): empty for a block strategy, whose one
         block is already its record's proposals."""
         return {"mask_blocks": [], "block_proposals": [], "block_texts": [], "block_confidences": []}
 
@@ -263,10 +263,10 @@ class Verify(Strategy):
         """The last kept token only (the model's own, never fed yet)."""
         return list(kept[-1:])
 
-    def block_record(self, layout: Any, blocks: list, texts: list, confidences: list) -> dict:
+    def block_record(self, layout: Any, blocks: list, confidences: list, decode: Any) -> dict:
         """Every block's prefix, proposals, texts and confidences (the app draws the tree from them)."""
-        return {"mask_blocks": list(layout.blocks), "block_proposals": blocks, "block_texts": texts,
-                "block_confidences": confidences}
+        return {"mask_blocks": list(layout.blocks), "block_proposals": blocks,
+                "block_texts": [[decode([t]) for t in b] for b in blocks], "block_confidences": confidences}
 
     def at(self, k_max: int, blocks: tuple[int, ...] | None) -> "Verify":
         """The fixed layout this strategy runs for one pass (``verify:auto`` chooses it pass by pass)."""
