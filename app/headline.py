@@ -218,6 +218,8 @@ def turn_status(state: TurnState) -> tuple[str, str]:
         done, total = state.prefill
         reused = state.turn.sides["standard"].reused if state.turn.sides else 0
         kept = f"; {reused:,} tokens of the conversation reused from the last turn" if reused else ""
+        if total <= PREFILL_CHUNK:
+            return f"Turn {n}: reading the prompt ({total:,} tokens, both sides){kept}…", "info"
         return (f"Turn {n}: reading the prompt in chunks of {PREFILL_CHUNK} tokens, {done:,} of {total:,} (both "
                 f"sides; Stop acts between chunks){kept}…", "info")
     if state.phase == "running":

@@ -42,27 +42,29 @@ def _widths(text: str, flag: str = "--widths") -> tuple[int, ...]:
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
     p = argparse.ArgumentParser(prog="python -m model.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=DEFAULT_SOURCE)
-    p.add_argument("--strategies", default=DEFAULT_STRATEGIES)
+    p.add_argument("--model", default=DEFAULT_SOURCE, help=f"checkpoint: a path, hub id or {DEFAULT_SOURCE} (default)")
+    p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
+                   help=f"comma-separated strategy specs, e.g. standard,confadapt:0.9:4,verify:auto "
+                        f"(default: {DEFAULT_STRATEGIES})")
     p.add_argument("--prompts", type=int, default=3, help="number of prompts (the first of --data)")
     p.add_argument("--data", default=None,
                    help="JSONL with question (GSM8K) or prompt rows, e.g. assets/general_prompts_heldout.jsonl "
                         "(default: assets/gsm8k_test_sample.jsonl)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and strategy (default: 3)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per answer (default: 64)")
     add_sampling_arguments(p)
     p.add_argument("--widths", default=",".join(map(str, DEFAULT_WIDTHS)),
                    help="tokens per pass for the width curve ('' to skip it)")
-    p.add_argument("--width-repeats", type=int, default=15)
+    p.add_argument("--width-repeats", type=int, default=15, help="passes timed per width (default: 15)")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the 1 GiB bandwidth measurement")
     p.add_argument("--no-llama-cpp", action="store_true",
                    help="skip the llama.cpp baseline (run only when llama-cpp-python is installed)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present, else the CPU), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto, bfloat16, float32, float16 or float64")
     p.add_argument("--path", choices=["auto", "library"], default="auto",
                    help="auto: the fast path where supported; library: transformers + peft only")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--no-adapter", action="store_true")
+    p.add_argument("--no-adapter", action="store_true", help="time the base model without its MTP adapter")
     p.add_argument("--concurrency", default=None,
                    help="comma-separated request counts: serve N requests at once in shared forward passes "
                         "(model.engine.batch) instead of the single-request benchmark")

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k-max", type=int, default=None,
                    help=f"proposals per forward pass (default: the adapter's trained k_max, else {DEFAULT_K_MAX})")
     p.add_argument("--k", type=int, default=None, help=f"block size for --strategy static (default {DEFAULT_STATIC_K})")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default: 128)")
     add_sampling_arguments(p)
     p.add_argument("--num-samples", type=int, default=1, help="answers to draw for the prompt (with --temperature > 0)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present, else the CPU), cpu, cuda or cuda:N")
