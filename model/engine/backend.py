@@ -67,7 +67,7 @@ class PassInput:
                              f"{self.logits_to_keep} logits to keep.")
 
     @property
-    def kept(self) -> int:
+    def logits_rows(self) -> int:
         """Rows whose logits the pass returns."""
         n = int(self.tokens.shape[0])
         return min(self.logits_to_keep, n) if self.logits_to_keep else n
@@ -118,7 +118,7 @@ class LibraryForward:
         return DynamicCache(config=getattr(self.source, "config", None))
 
     def forward_batch(self, inputs: Sequence[PassInput]) -> list[torch.Tensor]:
-        """Each input's pass (``[kept_i, V]`` logits in the model's dtype), one after the other."""
+        """Each input's pass (``[logits_rows_i, V]`` logits in the model's dtype), one after the other."""
         return [self._one(p) for p in inputs]
 
     def _one(self, p: PassInput) -> torch.Tensor:
@@ -136,5 +136,5 @@ class LibraryForward:
             elif self.adapter == "alora":
                 kwargs["alora_offsets"] = [p.num_masks]
         with ctx:
-            out = model(input_ids=ids, past_key_values=p.cache, use_cache=True, logits_to_keep=p.kept, **kwargs)
+            out = model(input_ids=ids, past_key_values=p.cache, use_cache=True, logits_to_keep=p.logits_rows, **kwargs)
         return out.logits[0]

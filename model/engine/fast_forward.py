@@ -117,7 +117,7 @@ class FastForward:
     kind = "fast"
 
     def forward_batch(self, inputs: Sequence[PassInput]) -> list[torch.Tensor]:
-        """Each :class:`~model.engine.backend.PassInput`'s pass, one after the other: ``[kept_i, V]`` logits in the
+        """Each :class:`~model.engine.backend.PassInput`'s pass, one after the other: ``[logits_rows_i, V]`` logits in the
         model's dtype; each cache (a :class:`KVCache` of this engine) extended by its ``T_i`` entries.
 
         Raises:
@@ -127,7 +127,7 @@ class FastForward:
         for p in inputs:
             if not isinstance(p.cache, KVCache) or p.cache.engine is not self:
                 raise ValueError("forward_batch: every cache must come from this engine's new_cache()")
-            out.append(self._forward_one(p.tokens.to(self.device), p.cache, p.adapter_rows, p.kept, p.positions,
+            out.append(self._forward_one(p.tokens.to(self.device), p.cache, p.adapter_rows, p.logits_rows, p.positions,
                                          p.visible))
         return out
 

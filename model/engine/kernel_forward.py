@@ -227,7 +227,7 @@ class KernelForward:
         whatever the other sequences.
 
         Returns:
-            One ``[kept_i, V]`` logits tensor per input (model dtype); each cache extended by ``T_i`` entries.
+            One ``[logits_rows_i, V]`` logits tensor per input (model dtype); each cache extended by ``T_i`` entries.
 
         Raises:
             ValueError: no inputs, or a cache of another engine; RuntimeError: the kernel refused the shapes.
@@ -252,7 +252,7 @@ class KernelForward:
             coss.append(c)
             sins.append(sn)
             adapter += [0] * (t - rows) + [1] * rows
-            k = p.kept
+            k = p.logits_rows
             kept.append(k)
             keep += range(row0[-1] + t - k, row0[-1] + t)
             vis = p.visible

@@ -302,7 +302,7 @@ class LoadedModel:
             inputs: from :meth:`pass_input`; every cache from this model's :meth:`new_cache` (one backend).
 
         Returns:
-            One ``[kept_i, V]`` logits tensor per input (model dtype); each cache extended by its ``T_i`` entries.
+            One ``[logits_rows_i, V]`` logits tensor per input (model dtype); each cache extended by its ``T_i`` entries.
 
         Raises:
             ValueError: no inputs, or caches of different backends; RuntimeError: a cache of another model, or
