@@ -79,6 +79,10 @@ class FastForward:
         source: the model object the weights were packed from.
     """
 
+    #: The sequences of a batch run one after the other (each pass reads the weights).
+    shares_passes = False
+    kind = "fast"
+
     def __init__(self, weights: PackedModel):
         self.weights = weights
         self.source = weights.source
@@ -112,10 +116,6 @@ class FastForward:
         return ", ".join(parts)
 
     # ------------------------------------------------------------------ forward
-    #: The sequences of a batch run one after the other (each pass reads the weights).
-    shares_passes = False
-    kind = "fast"
-
     def forward_batch(self, inputs: Sequence[PassInput]) -> list[torch.Tensor]:
         """Each :class:`~model.engine.backend.PassInput`'s pass, one after the other: ``[logits_rows_i, V]`` logits in the
         model's dtype; each cache (a :class:`KVCache` of this engine) extended by its ``T_i`` entries.

@@ -115,6 +115,10 @@ class KernelForward:
         emulated: the AMX path runs in software emulation (``MTP_AMX_EMULATE``; a test, not a speed).
     """
 
+    #: One pass over the weights for every row of every sequence of a batch.
+    shares_passes = True
+    kind = "kernels"
+
     def __init__(self, model: Any, isa: str, lib: ctypes.CDLL, emulated: bool = False):
         read = read_model(model)
         if read.device.type != "cpu":
@@ -215,10 +219,6 @@ class KernelForward:
         if self.adapter_kind:
             parts.append("aLoRA on mask rows" if self.adapter_kind == "alora" else "LoRA on all rows")
         return ", ".join(parts)
-
-    #: One pass over the weights for every row of every sequence of a batch.
-    shares_passes = True
-    kind = "kernels"
 
     def forward_batch(self, inputs: Sequence[PassInput]) -> list[torch.Tensor]:
         """One pass over the rows of several sequences (:class:`~model.engine.backend.PassInput`): their rows
