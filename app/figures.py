@@ -27,7 +27,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
-from model.engine.decoding import PassRecord
+from model.engine.decoding import DraftCheck, PassRecord
 from model.engine.strategies import Strategy
 
 #: plotly.js shipped with the plotly package; the app serves it with ``gr.set_static_paths``.
@@ -92,13 +92,14 @@ def _block_bars(rec: PassRecord) -> dict:
 def _verify_bars(records: Sequence[PassRecord], i: int) -> dict:
     """Lossless verification: the drafts checked (accepted / rejected / dropped after a rejection), the
     model's own token (its correction or its next token), then every mask block's proposals
-    (``PassRecord.mask_blocks`` / ``block_texts``): the block that followed the accepted drafts is marked as
-    used (its proposals are ``next_drafts``), the others as not used. Height: the model's confidence at that
-    place (for a draft, in its own choice there)."""
+    (``PassRecord.verification``: ``mask_blocks`` / ``block_texts``): the block that followed the accepted drafts
+    is marked as used (its proposals are ``next_drafts``), the others as not used. Height: the model's confidence at
+    that place (for a draft, in its own choice there)."""
     rec = records[i]
-    texts = rec.draft_texts or [f"id {t}" for t in rec.drafts]
-    confs = list(rec.draft_confidences) or [1.0] * len(rec.drafts)
-    a, n_kept = rec.drafts_accepted, len(rec.kept)
+    check = rec.verification or DraftCheck()  # a record without verification: no drafts, no blocks
+    texts = check.draft_texts or [f"id {t}" for t in check.drafts]
+    confs = list(check.confidences) or [1.0] * len(check.drafts)
+    a, n_kept = check.accepted, len(rec.kept)
     xs, ys, colours, hover, labels = [], [], [], [], []
     for j, (t, c) in enumerate(zip(texts, confs)):
         xs.append(f"d{j + 1}:{_token_label(t)}")
@@ -113,36 +114,36 @@ def _verify_bars(records: Sequence[PassRecord], i: int) -> dict:
         elif j == a:
             colours.append(DRAFT_BAD), labels.append("✗")
             hover.append(f"draft {j + 1} {html.escape(repr(t))}: not the model's choice here "
-                         f"({html.escape(repr(rec.correction_text))}, confidence {c:.3f}): rejected")
+                         f"({html.escape(repr(check.correction_text))}, confidence {c:.3f}): rejected")
         else:
             colours.append(DRAFT_SKIPPED), labels.append("")
             hover.append(f"draft {j + 1} {html.escape(repr(t))}: after a rejected draft, dropped")
-    if n_kept > min(a, len(rec.drafts)):  # the model's own token was kept
-        if rec.correction is not None:
-            own, c = rec.correction_text, confs[a] if a < len(confs) else 1.0
+    if n_kept > min(a, len(check.drafts)):  # the model's own token was kept
+        if check.correction is not None:
+            own, c = check.correction_text, confs[a] if a < len(confs) else 1.0
             what = "the model's correction (its own token where the draft was rejected)"
         else:
             own, c = (rec.proposal_texts[0], rec.confidences[0]) if rec.proposal_texts else ("", 1.0)
-            what = "the model's next token" + (" (every draft accepted)" if rec.drafts else " (no drafts to check)")
+            what = "the model's next token" + (" (every draft accepted)" if check.drafts else " (no drafts to check)")
         xs.append(f"+:{_token_label(own)}")
         ys.append(c)
         colours.append(OWN), labels.append("→")
         hover.append(f"{html.escape(repr(own))} (confidence {c:.3f}): {what}; always kept")
-    blocks = list(rec.mask_blocks)
+    blocks = list(check.mask_blocks)
     if not blocks and rec.fed_masks and rec.proposal_texts[1:]:  # a record without block fields: one block
         blocks, block_texts, block_confs = [rec.fed_drafts], [rec.proposal_texts[1:]], [rec.confidences[1:]]
     else:
-        block_texts, block_confs = rec.block_texts, rec.block_confidences
+        block_texts, block_confs = check.block_texts, check.block_confidences
     several = len(blocks) > 1
     for b, (after, texts_b, confs_b) in enumerate(zip(blocks, block_texts, block_confs)):
-        used = bool(rec.next_drafts) and after == rec.drafts_accepted
+        used = bool(check.next_drafts) and after == a
         where = f"the block after {after} draft{'s' if after != 1 else ''}"
         if used:
             why = "used: it followed the accepted drafts, so its proposals are the next pass's drafts"
         elif rec.stopped or rec.block_end in ("max_new_tokens", "stop string"):
             why = "not used: the answer ended"
         else:
-            why = f"not used: the pass accepted {min(rec.drafts_accepted, len(rec.drafts))} drafts, not {after}"
+            why = f"not used: the pass accepted {min(a, len(check.drafts))} drafts, not {after}"
         for j, (t, c) in enumerate(zip(texts_b, confs_b)):
             xs.append(f"b{after}.m{j + 1}:{_token_label(t)}" if several else f"m{j + 1}:{_token_label(t)}")
             ys.append(c)

@@ -15,7 +15,7 @@ import re
 from typing import Any, Sequence
 
 from model.engine.loaded_model import LoadedModel
-from model.engine.decoding import GenerationResult, PassRecord
+from model.engine.decoding import DraftCheck, GenerationResult, PassRecord
 from model.engine.strategies import Strategy
 
 from .device import LosslessShape, WidthProfile
@@ -209,8 +209,9 @@ def _pass_title(rec: PassRecord, strategy: Strategy | None) -> str:
     head = f"forward pass {rec.index + 1}: {n} token{'s' if n != 1 else ''}"
     if strategy is not None and strategy.lossless:
         if rec.fed_drafts:
-            head += f"; {min(rec.drafts_accepted, n)} of {rec.fed_drafts} drafts accepted"
-            head += ", then the model's correction" if rec.correction is not None else ", then the model's next token"
+            check = rec.verification or DraftCheck()
+            head += f"; {min(check.accepted, n)} of {rec.fed_drafts} drafts accepted"
+            head += ", then the model's correction" if check.correction is not None else ", then the model's next token"
         else:
             head += " (no drafts to check)"
     else:

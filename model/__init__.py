@@ -26,7 +26,7 @@ _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # bitsandbytes (imported by transformers/peft) warns at import about optional CPU kernels we do not use.
 _logging.getLogger("bitsandbytes").setLevel(_logging.ERROR)
 
-from .engine.decoding import Decoder, GenerationResult, PassRecord, generate, run  # noqa: E402
+from .engine.decoding import Decoder, DraftCheck, GenerationResult, PassRecord, generate, run  # noqa: E402
 from .engine.loaded_model import LoadedModel  # noqa: E402
 from .engine.loading import DEFAULT_SOURCE, load_checkpoint  # noqa: E402
 from .engine.strategies import (  # noqa: E402
@@ -42,6 +42,6 @@ from .errors import CheckpointError, ContextBudgetError, NonFiniteLogitsError  #
 
 __all__ = [
     "DEFAULT_SOURCE", "CheckpointError", "LoadedModel", "load_checkpoint", "ContextBudgetError", "Decoder",
-    "GenerationResult", "NonFiniteLogitsError", "PassRecord", "generate", "run", "Strategy", "confadapt",
+    "DraftCheck", "GenerationResult", "NonFiniteLogitsError", "PassRecord", "generate", "run", "Strategy", "confadapt",
     "parse_strategies", "resolve_strategy", "standard", "static_k", "verify",
 ]

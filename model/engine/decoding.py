@@ -41,7 +41,7 @@ from .loaded_model import LoadedModel
 from .acceptance import Acceptance, accept_drafts, cut_broken_utf8
 from .phases import (PassLayout, check_context_budget, check_finite, commit, cut_at_stop_string, lay_out, propose, sync,
                      trim)
-from .records import GenerationResult, PassRecord, acceptance_by_position
+from .records import DraftCheck, GenerationResult, PassRecord, acceptance_by_position  # noqa: F401
 from .sampling import GREEDY, Sampling, TokenSampler, model_distribution
 from .strategies import Strategy, check_max_new_tokens
 from .text import open_utf8_bytes, text_bytes
@@ -272,7 +272,8 @@ class Decoder:
     def _record(self, layout: PassLayout, drafts: Sequence[int], greedy: Sequence[int], conf: Sequence[float],
                 acc: Acceptance, kept: list[int], reason: str, stopped: bool, seconds: float) -> PassRecord:
         """The pass's :class:`PassRecord`. ``proposals`` are the model's token after the last fed draft and
-        the proposals of the block that follows it (the whole block for block strategies)."""
+        the proposals of the block that follows it (the whole block for block strategies); ``verification`` is the
+        strategy's :meth:`~model.engine.strategies.Strategy.draft_check`."""
         decode = self.lm.tokenizer.decode
         d, m = layout.drafts, layout.masks_per_block
         blocks = [list(greedy[d + 1 + i * m : d + 1 + (i + 1) * m]) for i in range(len(layout.blocks))]
@@ -286,11 +287,8 @@ class Decoder:
             fed_masks=layout.num_masks, proposals=proposals,
             proposal_texts=[decode([t]) for t in proposals], confidences=confidences, kept=kept,
             text=self._text_delta(), accepted=len(acc.kept), seconds=seconds, stopped=stopped, block_end=reason,
-            fed_drafts=d, drafts=list(drafts), draft_texts=[decode([t]) for t in drafts], draft_checks=list(greedy[:d]),
-            draft_confidences=list(conf[:d]), drafts_accepted=acc.drafts_accepted, correction=acc.correction,
-            correction_text=decode([acc.correction]) if acc.correction is not None else "",
-            next_drafts=list(self.drafts),
-            **self.strategy.block_record(layout, blocks, block_conf, decode),
+            fed_drafts=d, verification=self.strategy.draft_check(layout, drafts, greedy, conf, acc, blocks, block_conf,
+                                                                 self.drafts, decode),
         )
 
     def _text_delta(self) -> str:

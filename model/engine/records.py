@@ -1,6 +1,6 @@
-"""The records of decoding: one :class:`PassRecord` per forward pass and the :class:`GenerationResult` that sums them
-(paper 3.4, 4.5). The app, the evaluation, the benchmark and the lm-eval model read these records only and never
-reach into the model (:mod:`model.engine.decoding` writes them)."""
+"""The records of decoding: one :class:`PassRecord` per forward pass (with a :class:`DraftCheck` when verifying) and
+the :class:`GenerationResult` that sums them (paper 3.4, 4.5). The app, the evaluation, the benchmark and the lm-eval
+model read these records only and never reach into the model (:mod:`model.engine.decoding` writes them)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,44 @@ from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 from .sampling import GREEDY
+
+
+@dataclass(frozen=True)
+class DraftCheck:
+    """What verification did with the drafts and mask blocks of one pass (:attr:`PassRecord.verification`; the
+    ``verify`` strategy only).
+
+    Attributes:
+        drafts: the draft ids fed, in order (``PassRecord.fed_drafts`` of them).
+        draft_texts: each draft decoded on its own.
+        checks: the model's greedy token at each draft's place (``len(drafts)`` ids; when sampling: the token it
+            chose there: the draft if accepted, the replacement at the first rejected one, the most likely token
+            after it).
+        confidences: the model's top-1 probability at each draft's place (when sampling: the probability of
+            ``checks`` under the model's sampling distribution).
+        accepted: leading drafts equal to ``checks``.
+        correction: the model's token in place of the first rejected draft (None if none rejected).
+        correction_text: that token decoded on its own ("" when none).
+        mask_blocks: the numbers of accepted drafts that a block of ``k_max - 1`` masks followed in this pass
+            (``[len(drafts)]`` for the linear layout).
+        block_proposals, block_texts, block_confidences: the proposals of each mask block (in the order of
+            ``mask_blocks``), their texts and confidences.
+        next_drafts: the drafts the next pass feeds: the proposals of the block that followed the accepted prefix,
+            or none (no such block, or the answer ended).
+    """
+
+    drafts: list[int] = field(default_factory=list)
+    draft_texts: list[str] = field(default_factory=list)
+    checks: list[int] = field(default_factory=list)
+    confidences: list[float] = field(default_factory=list)
+    accepted: int = 0
+    correction: int | None = None
+    correction_text: str = ""
+    mask_blocks: list[int] = field(default_factory=list)
+    block_proposals: list[list[int]] = field(default_factory=list)
+    block_texts: list[list[str]] = field(default_factory=list)
+    block_confidences: list[list[float]] = field(default_factory=list)
+    next_drafts: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -19,7 +57,7 @@ class PassRecord:
         fed_real: pending real tokens fed (the prompt on pass 0, its chunks fed before included, less any
             prefix reused from an earlier generation's KV cache; then the previous pass's last token(s) not yet in
             the KV cache).
-        fed_drafts: draft tokens fed as real tokens (verification only; else 0).
+        fed_drafts: draft tokens fed as real tokens (verification only, ``verification.drafts``; else 0).
         fed_masks: mask tokens fed (``k_max - 1``; 0 for standard decoding).
         proposals: ``k_max`` greedy token ids: at the last real token fed, then one per mask (when
             sampling: the tokens drawn there).
@@ -35,22 +73,8 @@ class PassRecord:
         block_end: why the block ended: ``"k_max"`` (every proposal kept), ``"below tau"``,
             ``"utf-8"`` (the next proposal could not continue an open character), ``"draft
             rejected"``, ``"stop token"``, ``"stop string"`` or ``"max_new_tokens"``.
-        drafts: the draft ids fed (verification), in order.
-        draft_texts: each draft decoded on its own.
-        draft_checks: the model's greedy token at each draft's place (``len(drafts)`` ids; when sampling:
-            the token it chose there: the draft if accepted, the replacement at the first rejected one, the
-            most likely token after it).
-        draft_confidences: the model's top-1 probability at each draft's place (when sampling: the
-            probability of ``draft_checks`` under the model's sampling distribution).
-        drafts_accepted: leading drafts equal to ``draft_checks``.
-        correction: the model's token in place of the first rejected draft (None if none rejected).
-        correction_text: that token decoded on its own ("" when none).
-        mask_blocks: verification: the numbers of accepted drafts that a block of ``k_max - 1`` masks
-            followed in this pass (``[len(drafts)]`` for the linear layout).
-        block_proposals, block_texts, block_confidences: the proposals of each mask block (in the
-            order of ``mask_blocks``), their texts and confidences.
-        next_drafts: the drafts the next pass feeds: the proposals of the block that followed the accepted
-            prefix, or none (no such block, or the answer ended).
+        verification: what verification did with this pass's drafts and mask blocks (:class:`DraftCheck`; None
+            for the block strategies: standard, static k, ConfAdapt).
         shared_sequences: sequences whose rows shared this forward pass (1: it ran alone; more: a batch runner,
             :mod:`model.engine.batch`, carried other generations' rows in the same pass).
         shared_rows: rows of the whole shared pass (``fed_tokens`` when it ran alone).
@@ -69,18 +93,7 @@ class PassRecord:
     stopped: bool = False
     block_end: str = "k_max"
     fed_drafts: int = 0
-    drafts: list[int] = field(default_factory=list)
-    draft_texts: list[str] = field(default_factory=list)
-    draft_checks: list[int] = field(default_factory=list)
-    draft_confidences: list[float] = field(default_factory=list)
-    drafts_accepted: int = 0
-    correction: int | None = None
-    correction_text: str = ""
-    mask_blocks: list[int] = field(default_factory=list)
-    block_proposals: list[list[int]] = field(default_factory=list)
-    block_texts: list[list[str]] = field(default_factory=list)
-    block_confidences: list[list[float]] = field(default_factory=list)
-    next_drafts: list[int] = field(default_factory=list)
+    verification: DraftCheck | None = None
     shared_sequences: int = 1
     shared_rows: int = 0
 
@@ -90,7 +103,7 @@ class PassRecord:
         token or ``max_new_tokens`` (a draft past the end of the answer was never needed)."""
         if not self.fed_drafts:
             return 0, 0
-        accepted = min(self.drafts_accepted, len(self.kept))
+        accepted = min(self.verification.accepted if self.verification else 0, len(self.kept))
         ended = self.stopped or self.block_end == "max_new_tokens"
         proposed = min(self.fed_drafts, len(self.kept)) if ended else self.fed_drafts
         return proposed, min(accepted, proposed)

@@ -19,8 +19,9 @@ TAU[:K_MAX]``                               is ≥ tau, always at least the firs
 
 A strategy owns its behaviour in a pass: where its mask blocks go (:meth:`Strategy.mask_blocks`), what it accepts
 greedily and when sampling (:meth:`Strategy.accept_pass`, :meth:`Strategy.accept_pass_sampled`, with the rules of
-:mod:`model.engine.acceptance`), and what stays in the KV cache and pending afterwards (:meth:`Strategy.cached_after`,
-:meth:`Strategy.pending_after`). Parsing specs is :mod:`model.engine.strategy_specs` (re-exported here).
+:mod:`model.engine.acceptance`), what stays in the KV cache and pending afterwards (:meth:`Strategy.cached_after`,
+:meth:`Strategy.pending_after`), and what its pass record says of drafts and mask blocks (:meth:`Strategy.draft_check`).
+Parsing specs is :mod:`model.engine.strategy_specs` (re-exported here).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
 from .acceptance import Acceptance, accept_block, accept_block_sampled, accept_verified, accept_verified_sampled
+from .records import DraftCheck
 
 DEFAULT_K_MAX = 16  # proposals per forward pass when nothing else says (the paper's sweep uses 16)
 MAX_K_MAX = 64  # the largest k_max accepted anywhere (engine, CLI, app)
@@ -100,11 +102,21 @@ class Strategy:
         """The tokens the next pass feeds first (not yet in the KV cache): every kept token of a block strategy."""
         return list(kept)
 
-    def block_record(self, layout: Any, blocks: list, confidences: list, decode: Any) -> dict:
-        """Fields of the :class:`~model.engine.records.PassRecord` about the mask blocks, from the pass's ``blocks``
-        of proposals and their ``confidences`` (``decode``: ids -> text): empty for a block strategy, whose one
-        block is already its record's proposals."""
-        return {"mask_blocks": [], "block_proposals": [], "block_texts": [], "block_confidences": []}
+    def draft_check(self, layout: Any, drafts: Sequence[int], greedy: Sequence[int], conf: Sequence[float],
+                    acc: Acceptance, blocks: list, block_conf: list, next_drafts: Sequence[int], decode: Any
+                    ) -> DraftCheck | None:
+        """The record's :attr:`~model.engine.records.PassRecord.verification`: what the pass did with its drafts and
+        mask blocks. None for a block strategy: it feeds no drafts, and its one block is already its record's
+        proposals.
+
+        Args:
+            layout: the pass's :class:`~model.engine.phases.PassLayout`; ``drafts``: the drafts it fed.
+            greedy, conf: the model's ids and confidences at the last pending token, each draft and each mask.
+            acc: the pass's :class:`~model.engine.acceptance.Acceptance`.
+            blocks, block_conf: each mask block's proposals and confidences, in the order of ``layout.blocks``.
+            next_drafts: the drafts the next pass feeds; ``decode``: ids -> text.
+        """
+        return None
 
     def accept(self, confidences: Sequence[float]) -> tuple[int, str]:
         """How many leading proposals of a block to keep, and why the block ends there.
@@ -263,10 +275,20 @@ class Verify(Strategy):
         """The last kept token only (the model's own, never fed yet)."""
         return list(kept[-1:])
 
-    def block_record(self, layout: Any, blocks: list, confidences: list, decode: Any) -> dict:
-        """Every block's prefix, proposals, texts and confidences (the app draws the tree from them)."""
-        return {"mask_blocks": list(layout.blocks), "block_proposals": blocks,
-                "block_texts": [[decode([t]) for t in b] for b in blocks], "block_confidences": confidences}
+    def draft_check(self, layout: Any, drafts: Sequence[int], greedy: Sequence[int], conf: Sequence[float],
+                    acc: Acceptance, blocks: list, block_conf: list, next_drafts: Sequence[int], decode: Any
+                    ) -> DraftCheck:
+        """The drafts, the model's choice and confidence at each draft's place, the acceptance and correction, and
+        every block's prefix, proposals, texts and confidences (the app draws the tree from them)."""
+        d = layout.drafts
+        return DraftCheck(
+            drafts=list(drafts), draft_texts=[decode([t]) for t in drafts], checks=list(greedy[:d]),
+            confidences=list(conf[:d]), accepted=acc.drafts_accepted, correction=acc.correction,
+            correction_text=decode([acc.correction]) if acc.correction is not None else "",
+            mask_blocks=list(layout.blocks), block_proposals=blocks,
+            block_texts=[[decode([t]) for t in b] for b in blocks], block_confidences=block_conf,
+            next_drafts=list(next_drafts),
+        )
 
     def at(self, k_max: int, blocks: tuple[int, ...] | None) -> "Verify":
         """The fixed layout this strategy runs for one pass (``verify:auto`` chooses it pass by pass)."""

@@ -29,14 +29,16 @@ def test_lossless_turn_equals_standard_and_its_figure_marks_the_drafts(registry)
     assert len(fig["frames"]) == last.mtp.forward_passes
     for rec, frame in zip(last.mtp.passes, fig["frames"]):
         colours = frame["data"][1]["marker"]["color"]
-        assert colours.count(figures.DRAFT_OK) == min(rec.drafts_accepted, len(rec.kept))
-        assert colours.count(figures.DRAFT_BAD) == (1 if rec.correction is not None else 0)
-        assert colours.count(figures.OWN) == (1 if len(rec.kept) > rec.drafts_accepted else 0)
+        check = rec.verification
+        assert colours.count(figures.DRAFT_OK) == min(check.accepted, len(rec.kept))
+        assert colours.count(figures.DRAFT_BAD) == (1 if check.correction is not None else 0)
+        assert colours.count(figures.OWN) == (1 if len(rec.kept) > check.accepted else 0)
         labels, heights = frame["data"][1]["x"], frame["data"][1]["y"]
         assert [x.startswith("d") for x in labels[: rec.fed_drafts]] == [True] * rec.fed_drafts
-        assert heights[: rec.fed_drafts] == rec.draft_confidences  # the model's confidence at each draft's place
+        assert heights[: rec.fed_drafts] == check.confidences  # the model's confidence at each draft's place
     assert "shapes" not in fig["layout"] or not fig["layout"]["shapes"]  # no tau line when verifying
-    assert any(r.correction is not None for r in last.mtp.passes) or any(r.drafts_accepted for r in last.mtp.passes)
+    checks = [r.verification for r in last.mtp.passes]
+    assert any(c.correction is not None for c in checks) or any(c.accepted for c in checks)
 
 
 def test_lossless_frames_show_every_mask_block_and_mark_the_one_used(tiny_registry):
@@ -49,18 +51,19 @@ def test_lossless_frames_show_every_mask_block_and_mark_the_one_used(tiny_regist
     for rec, frame in zip(last.mtp.passes, fig["frames"]):
         bars = frame["data"][1]
         colours, hover = bars["marker"]["color"], bars["hovertext"]
-        used = 1 if rec.next_drafts else 0
+        check = rec.verification
+        used = 1 if check.next_drafts else 0
         assert colours.count(figures.NEW_DRAFT) == used * (last.strategy.k_max - 1)
-        assert colours.count(figures.UNUSED_BLOCK) == (len(rec.mask_blocks) - used) * (last.strategy.k_max - 1)
+        assert colours.count(figures.UNUSED_BLOCK) == (len(check.mask_blocks) - used) * (last.strategy.k_max - 1)
         shown = [h for h, c in zip(hover, colours) if c == figures.NEW_DRAFT]
         assert all("used: it followed the accepted drafts" in h for h in shown)
         if used:
             texts = [x.split(":", 1)[1] for x, c in zip(bars["x"], colours) if c == figures.NEW_DRAFT]
-            assert texts == [figures._token_label(t) for t in rec.block_texts[rec.mask_blocks.index(
-                rec.drafts_accepted)]]
+            assert texts == [figures._token_label(t) for t in check.block_texts[check.mask_blocks.index(
+                check.accepted)]]
         patterns = bars["marker"]["pattern"]["shape"]
         assert [p == "/" for p in patterns] == [c == figures.UNUSED_BLOCK for c in colours]
-    assert any(len(r.mask_blocks) > 1 for r in last.mtp.passes)  # a tree, drawn as one
+    assert any(len(r.verification.mask_blocks) > 1 for r in last.mtp.passes)  # a tree, drawn as one
 
 
 SWEEP = Sweep.from_dict({"model": "m", "n_prompts": 5, "max_new_tokens": 48, "points": [

@@ -29,8 +29,8 @@ def _last(turn, passes, should_stop=lambda: None):
 
 
 def _records(state):
-    return [(p.proposals, p.confidences, p.kept, p.drafts, p.draft_checks)
-            for side in (state.standard, state.mtp) for p in side.passes]
+    return [(p.proposals, p.confidences, p.kept, p.verification and p.verification.drafts,
+             p.verification and p.verification.checks) for side in (state.standard, state.mtp) for p in side.passes]
 
 
 def _at_once(turns, passes, stops=None):

@@ -40,7 +40,8 @@ def lm(base_tokenizer):
 
 
 def _signature(dec):
-    return [(r.kept, r.proposals, r.confidences, r.drafts, r.block_proposals) for r in dec.passes], dec.generated
+    return [(r.kept, r.proposals, r.confidences, r.verification and r.verification.drafts,
+             r.verification and r.verification.block_proposals) for r in dec.passes], dec.generated
 
 
 def _solo(lm, prompt, strategy, n):

@@ -168,7 +168,7 @@ def test_verify_equals_standard_float64(base_tokenizer, arch, k_max):
         ref = generate(lm, prompt, standard(), 40)
         out = generate(lm, prompt, verify(k_max), 40)
         assert out.token_ids == ref.token_ids and out.text == ref.text
-        assert all(len(p.kept) == p.drafts_accepted + 1 or p.block_end in ("stop token", "max_new_tokens")
+        assert all(len(p.kept) == p.verification.accepted + 1 or p.block_end in ("stop token", "max_new_tokens")
                    for p in out.passes)
 
 
@@ -188,7 +188,8 @@ def test_right_drafts_are_all_accepted_and_a_wrong_one_is_corrected(tiny_lm64):
     # three right drafts: all accepted plus the model's next token
     dec.drafts = ref[1:4]
     rec = dec.run_pass()
-    assert rec.drafts == ref[1:4] and rec.drafts_accepted == 3 and rec.correction is None
+    check = rec.verification
+    assert check.drafts == ref[1:4] and check.accepted == 3 and check.correction is None
     assert rec.kept == ref[1:5] and rec.fed_real == 1 and rec.fed_drafts == 3 and rec.fed_masks == 3
     assert rec.block_end == "k_max"
     assert dec.drafts == rec.proposals[1:]  # the masks' proposals become the next drafts
@@ -197,10 +198,11 @@ def test_right_drafts_are_all_accepted_and_a_wrong_one_is_corrected(tiny_lm64):
     wrong = (ref[6] + 1) % (lm.mask_token_id - 1)
     dec.drafts = [ref[5], wrong, ref[7]]
     rec = dec.run_pass()
-    assert rec.drafts_accepted == 1 and rec.correction == ref[6] and rec.kept == ref[5:7]
+    check = rec.verification
+    assert check.accepted == 1 and check.correction == ref[6] and rec.kept == ref[5:7]
     assert rec.block_end == "draft rejected" and dec.drafts == []
-    assert rec.correction_text == lm.tokenizer.decode([ref[6]]) and len(rec.draft_texts) == 3
-    assert len(rec.draft_confidences) == 3 and all(0.0 < c <= 1.0 for c in rec.draft_confidences)
+    assert check.correction_text == lm.tokenizer.decode([ref[6]]) and len(check.draft_texts) == 3
+    assert len(check.confidences) == 3 and all(0.0 < c <= 1.0 for c in check.confidences)
     assert_cache_is_fresh_prefill(lm, dec, 1e-10)
     for _ in dec:
         assert_cache_is_fresh_prefill(lm, dec, 1e-10)
@@ -255,8 +257,13 @@ def test_verify_record_is_strict_json(tiny_lm):
 
     res = run(tiny_lm, tiny_lm.prompt_ids(PROMPTS[0]), verify(4), 12)
     d = json.loads(json.dumps(res.to_dict(), allow_nan=False))
-    assert {"drafts", "draft_texts", "draft_checks", "draft_confidences", "drafts_accepted", "correction",
-            "correction_text", "block_end", "fed_drafts"} <= set(d["passes"][1])
+    assert {"verification", "block_end", "fed_drafts"} <= set(d["passes"][1])
+    assert {"drafts", "draft_texts", "checks", "confidences", "accepted", "correction", "correction_text",
+            "mask_blocks", "block_proposals", "block_texts", "block_confidences",
+            "next_drafts"} == set(d["passes"][1]["verification"])
+    for strategy in (standard(), confadapt(0.9, 4)):  # block strategies check no drafts: null
+        d = json.loads(json.dumps(run(tiny_lm, tiny_lm.prompt_ids(PROMPTS[0]), strategy, 6).to_dict(), allow_nan=False))
+        assert all(p["verification"] is None and p["fed_drafts"] == 0 for p in d["passes"])
 
 
 # -------------------------------------- UTF-8: a block never breaks a character

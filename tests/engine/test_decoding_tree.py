@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from model.engine.decoding import Decoder, PassRecord, acceptance_by_position, generate, lay_out, run
+from model.engine.decoding import Decoder, DraftCheck, PassRecord, acceptance_by_position, generate, lay_out, run
 from model.engine.loading import wrap_model
 from model.engine.strategies import resolve_strategy, standard, verify
 from tests.conftest import make_tiny
@@ -53,7 +53,7 @@ def test_tree_verify_equals_standard_float64(base_tokenizer, arch, k_max, layout
         dec = Decoder(lm, lm.prompt_ids(prompt), verify(k_max, layout), 30)
         for rec in dec:
             assert_cache_is_fresh_prefill(lm, dec, 1e-10)
-            assert rec.mask_blocks == list(verify(k_max, layout).mask_blocks(rec.fed_drafts))
+            assert rec.verification.mask_blocks == list(verify(k_max, layout).mask_blocks(rec.fed_drafts))
         assert dec.generated == ref.token_ids and dec.result().text == ref.text
 
 
@@ -68,14 +68,14 @@ def test_a_block_proposes_what_a_linear_pass_over_its_prefix_would(tiny_lm64):
     tree.run_pass()
     tree.drafts = list(drafts)
     rec = tree.run_pass()
-    assert rec.drafts_accepted == 2 and rec.mask_blocks == [0, 1, 2, 3]
-    assert tree.drafts == rec.block_proposals[2]  # the block after the accepted prefix drafts next
+    assert rec.verification.accepted == 2 and rec.verification.mask_blocks == [0, 1, 2, 3]
+    assert tree.drafts == rec.verification.block_proposals[2]  # the block after the accepted prefix drafts next
     for a in range(3):
         lin = Decoder(lm, ids, verify(4), 12)
         lin.run_pass()
         lin.drafts = list(drafts[:a])
         lin_rec = lin.run_pass()
-        assert lin_rec.fed_drafts == a and lin_rec.proposals[1:] == rec.block_proposals[a]
+        assert lin_rec.fed_drafts == a and lin_rec.proposals[1:] == rec.verification.block_proposals[a]
 
 
 def test_stop_token_and_max_new_tokens_inside_drafts_with_a_tree(tiny_lm64):
@@ -86,7 +86,7 @@ def test_stop_token_and_max_new_tokens_inside_drafts_with_a_tree(tiny_lm64):
     dec.run_pass()
     dec.drafts = ref[1:6]
     rec = dec.run_pass()
-    assert rec.stopped and dec.done and dec.generated == ref[: i + 1] and rec.next_drafts == []
+    assert rec.stopped and dec.done and dec.generated == ref[: i + 1] and rec.verification.next_drafts == []
     assert rec.counted_drafts == (i, i)  # the drafts after the stop token count neither as proposed nor accepted
     lm = dataclasses.replace(tiny_lm64, stop_token_ids=())
     dec = Decoder(lm, lm.prompt_ids(PROMPTS[1]), verify(6, "0/2/5"), 3)
@@ -99,7 +99,7 @@ def test_stop_token_and_max_new_tokens_inside_drafts_with_a_tree(tiny_lm64):
 def _rec(drafts, accepted, kept, stopped=False, block_end="k_max"):
     return PassRecord(index=1, fed_real=1, fed_masks=3, proposals=[], proposal_texts=[], confidences=[], kept=kept,
                       text="", accepted=len(kept), seconds=0.01, stopped=stopped, block_end=block_end,
-                      fed_drafts=len(drafts), drafts=drafts, drafts_accepted=accepted)
+                      fed_drafts=len(drafts), verification=DraftCheck(drafts=drafts, accepted=accepted))
 
 
 def test_acceptance_figures():
