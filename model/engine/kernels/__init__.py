@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import KernelError
+from .abi import Batch, Layer, Linear, Model, bind, check_layout  # noqa: F401  (the ctypes structs: K.Linear, ...)
 
 __all__ = ["KernelError", "KernelStatus", "build", "candidates", "choose_isa", "cpu_flags", "emulating", "missing",
            "requested", "runnable", "status"]
@@ -53,7 +54,6 @@ def sources() -> list[Path]:
     """Every file of the one translation unit: ``mtp_kernels.cpp`` and the ``mtp_*.h`` parts it includes."""
     return [SOURCE] + sorted(SOURCE.parent.glob("mtp_*.h"))
 EMULATE_ENV = "MTP_AMX_EMULATE"
-ABI_VERSION = 5
 ISA_CODES = {"avx2": 1, "avx512bf16": 2, "amx": 3}
 #: CPU flags (``/proc/cpuinfo``) each path needs.
 NEEDS = {
@@ -212,57 +212,6 @@ def build(quiet: bool = False, emulate: bool = False) -> Path:
     return out
 
 
-# ------------------------------------------------------------------------------------------- ctypes
-class Linear(ctypes.Structure):
-    """``mtp_linear`` (see mtp_kernels.cpp)."""
-
-    _fields_ = [("w", ctypes.c_void_p), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("layout", ctypes.c_int32),
-                ("bias", ctypes.c_void_p), ("rank", ctypes.c_int32), ("lora_a", ctypes.c_void_p),
-                ("members", ctypes.c_int32), ("m_out0", ctypes.c_int32 * 4), ("m_out1", ctypes.c_int32 * 4),
-                ("m_r0", ctypes.c_int32 * 4), ("m_r1", ctypes.c_int32 * 4), ("m_b", ctypes.c_void_p * 4),
-                ("lora_layout", ctypes.c_int32)]
-
-
-class Layer(ctypes.Structure):
-    """``mtp_layer``."""
-
-    _fields_ = [("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear), ("ln1", ctypes.c_void_p),
-                ("ln2", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)]
-
-
-class Model(ctypes.Structure):
-    """``mtp_model``."""
-
-    _fields_ = [("hidden", ctypes.c_int32), ("heads", ctypes.c_int32), ("kv_heads", ctypes.c_int32),
-                ("head_dim", ctypes.c_int32), ("inter", ctypes.c_int32), ("layers", ctypes.c_int32),
-                ("dtype", ctypes.c_int32), ("isa", ctypes.c_int32), ("eps", ctypes.c_float),
-                ("scaling", ctypes.c_float), ("layer", ctypes.POINTER(Layer)), ("norm", ctypes.c_void_p),
-                ("head", Linear), ("head_override", Linear), ("override_idx", ctypes.c_void_p)]
-
-
-class Batch(ctypes.Structure):
-    """``mtp_batch``: the sequences of one pass (rows, KV caches, positions, visibility, adapter rows)."""
-
-    _fields_ = [("nseq", ctypes.c_int32), ("row0", ctypes.c_void_p), ("kcache", ctypes.c_void_p),
-                ("vcache", ctypes.c_void_p), ("cap", ctypes.c_void_p), ("pos", ctypes.c_void_p),
-                ("visible", ctypes.c_void_p), ("adapter", ctypes.c_void_p), ("keep", ctypes.c_void_p),
-                ("nkeep", ctypes.c_int32)]
-
-
-def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    vp, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-    lib.mtp_abi_version.restype = i32
-    lib.mtp_alloc.argtypes, lib.mtp_alloc.restype = [i64], vp
-    lib.mtp_free.argtypes, lib.mtp_free.restype = [vp], None
-    lib.mtp_packed_bytes.argtypes, lib.mtp_packed_bytes.restype = [i32, i32, i32], i64
-    lib.mtp_pack_weight.argtypes, lib.mtp_pack_weight.restype = [vp, i32, i32, i32, i32, vp], None
-    lib.mtp_forward_batch.argtypes = [ctypes.POINTER(Model), vp, i32, ctypes.POINTER(Batch), vp, vp, vp, i32]
-    lib.mtp_forward_batch.restype = ctypes.c_int
-    lib.mtp_amx_built.restype = lib.mtp_amx_init.restype = lib.mtp_selftest.restype = i32
-    lib.mtp_selftest.argtypes = [i32]
-    return lib
-
-
 @dataclass(frozen=True)
 class KernelStatus:
     """Which kernel path this process runs and why.
@@ -321,14 +270,13 @@ def _open(path: Path) -> ctypes.CDLL:
     """``path`` loaded and bound.
 
     Raises:
-        KernelError: the file does not load or is of another version.
+        KernelError: the file does not load, or its structs differ from the ctypes mirror (:mod:`.abi`).
     """
     try:
-        lib = _bind(ctypes.CDLL(str(path)))
+        lib = bind(ctypes.CDLL(str(path)))
     except (OSError, AttributeError) as e:
         raise KernelError(f"loading our kernels failed: {e}") from e
-    if lib.mtp_abi_version() != ABI_VERSION:
-        raise KernelError(f"the kernel library {path} is of another version")
+    check_layout(lib, path)
     return lib
 
 

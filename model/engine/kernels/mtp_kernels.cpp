@@ -31,6 +31,7 @@
 #include <immintrin.h>
 #include <linux/futex.h>
 #include <sched.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,7 +58,7 @@ enum { DT_F32 = 0, DT_BF16 = 1 };
 extern "C" {
 
 // ------------------------------------------------------------------------------------------------ structs
-// Mirrored by ctypes in kernels/__init__.py: keep the field order.
+// Mirrored by ctypes in kernels/abi.py, which checks its mirror against mtp_fields (below) when the library loads.
 typedef struct {
   const void* w;        // packed weight (mtp_pack_weight)
   int32_t n, k;         // output features, input features
@@ -65,7 +66,8 @@ typedef struct {
   const float* bias;    // [n] or NULL
   // adapter (LoRA / aLoRA): delta = (x A^T) B^T on the adapter rows, per member without the zero blocks
   int32_t rank;         // sum of the members' ranks (0: no adapter)
-  const void* lora_a;   // A of all members stacked, [rank, k] packed as lora_layout
+  const void* lora_a;   // A of all members stacked, [rank, k] packed as lora_layout (NULL when a_in_w)
+  int32_t a_in_w;       // 1: A is packed inside w instead, its rank columns in the blocks after the n columns'
   int32_t members;      // at most 4
   int32_t m_out0[4], m_out1[4], m_r0[4], m_r1[4];  // member j: output columns [out0, out1), ranks [r0, r1)
   const void* m_b[4];   // member j: B * scaling, [out1 - out0, r1 - r0] packed as lora_layout
@@ -288,4 +290,33 @@ extern "C" int32_t mtp_selftest(int32_t isa) {
   return rc;
 }
 
-extern "C" int32_t mtp_abi_version(void) { return 5; }
+// ------------------------------------------------------------------------------------------------ layout
+// Every field of the structs above with its offset and size, and each struct's size (offset -1): kernels/abi.py
+// checks its ctypes mirror against this list when it loads the library.
+typedef struct {
+  const char* name;
+  int64_t offset, size;
+} mtp_field;
+#define MTP_SIZE(S) {#S, -1, (int64_t)sizeof(S)}
+#define MTP_FIELD(S, f) {#S "." #f, (int64_t)offsetof(S, f), (int64_t)sizeof(((S*)0)->f)}
+static const mtp_field FIELDS[] = {
+    MTP_SIZE(mtp_linear), MTP_FIELD(mtp_linear, w), MTP_FIELD(mtp_linear, n), MTP_FIELD(mtp_linear, k),
+    MTP_FIELD(mtp_linear, layout), MTP_FIELD(mtp_linear, bias), MTP_FIELD(mtp_linear, rank),
+    MTP_FIELD(mtp_linear, lora_a), MTP_FIELD(mtp_linear, a_in_w), MTP_FIELD(mtp_linear, members),
+    MTP_FIELD(mtp_linear, m_out0), MTP_FIELD(mtp_linear, m_out1), MTP_FIELD(mtp_linear, m_r0),
+    MTP_FIELD(mtp_linear, m_r1), MTP_FIELD(mtp_linear, m_b), MTP_FIELD(mtp_linear, lora_layout),
+    MTP_SIZE(mtp_layer), MTP_FIELD(mtp_layer, qkv), MTP_FIELD(mtp_layer, o), MTP_FIELD(mtp_layer, gate_up),
+    MTP_FIELD(mtp_layer, down), MTP_FIELD(mtp_layer, ln1), MTP_FIELD(mtp_layer, ln2), MTP_FIELD(mtp_layer, q_norm),
+    MTP_FIELD(mtp_layer, k_norm),
+    MTP_SIZE(mtp_model), MTP_FIELD(mtp_model, hidden), MTP_FIELD(mtp_model, heads), MTP_FIELD(mtp_model, kv_heads),
+    MTP_FIELD(mtp_model, head_dim), MTP_FIELD(mtp_model, inter), MTP_FIELD(mtp_model, layers),
+    MTP_FIELD(mtp_model, dtype), MTP_FIELD(mtp_model, isa), MTP_FIELD(mtp_model, eps), MTP_FIELD(mtp_model, scaling),
+    MTP_FIELD(mtp_model, layer), MTP_FIELD(mtp_model, norm), MTP_FIELD(mtp_model, head),
+    MTP_FIELD(mtp_model, head_override), MTP_FIELD(mtp_model, override_idx),
+    MTP_SIZE(mtp_batch), MTP_FIELD(mtp_batch, nseq), MTP_FIELD(mtp_batch, row0), MTP_FIELD(mtp_batch, kcache),
+    MTP_FIELD(mtp_batch, vcache), MTP_FIELD(mtp_batch, cap), MTP_FIELD(mtp_batch, pos),
+    MTP_FIELD(mtp_batch, visible), MTP_FIELD(mtp_batch, adapter), MTP_FIELD(mtp_batch, keep),
+    MTP_FIELD(mtp_batch, nkeep),
+};
+extern "C" int32_t mtp_field_count(void) { return (int32_t)(sizeof FIELDS / sizeof FIELDS[0]); }
+extern "C" const mtp_field* mtp_fields(void) { return FIELDS; }
