@@ -178,10 +178,13 @@ class KernelForward:
         return m
 
     def _linear(self, out: K.Linear, members: Sequence[Projection]) -> None:
-        """Fill ``out`` for one group of stacked projections and the adapter's members among them."""
+        """Fill ``out`` for one group of stacked projections and the adapter's members among them. The adapter's
+        A (all members stacked) is packed after the weight's columns, in its layout, when its factors have the
+        weight's dtype (``a_in_w``: a pass sweeps them with the weight); B stays a product of its own."""
         arena = self.arena
         w = torch.cat([m.weight for m in members]) if len(members) > 1 else members[0].weight
-        out.w, out.n, out.k, out.layout = arena.pack(w.to(self.dtype), self.layout), w.shape[0], w.shape[1], self.layout
+        n, k = w.shape
+        out.n, out.k, out.layout = n, k, self.layout
         out.bias = arena.f32(torch.cat([m.bias for m in members])) if members[0].bias is not None else None
         count, offset, r0, a_parts = 0, 0, 0, []
         for m in members:
@@ -194,10 +197,14 @@ class KernelForward:
                 r0 += a.shape[0]
                 count += 1
             offset += m.out_features
-        out.members, out.rank = count, r0
-        if count:
+        out.members, out.rank, out.lora_layout = count, r0, self.factor_layout
+        a_in_w = count > 0 and (self.factor_layout == 0) == (self.layout == 0)  # bf16 A beside bf16 W, or f32/f32
+        if a_in_w:
+            pad = w.new_zeros((-n) % 16, k)  # A starts at a block of its own
+            w = torch.cat([w.to(self.dtype), pad.to(self.dtype), torch.cat(a_parts).to(self.dtype)])
+        elif count:
             out.lora_a = arena.pack(torch.cat(a_parts), self.factor_layout)
-            out.lora_layout = self.factor_layout
+        out.w, out.a_in_w = arena.pack(w.to(self.dtype), self.layout), int(a_in_w)
 
     def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin')`` float32 ``[T, head_dim]`` of the positions (:class:`~model.engine.fast_forward.RotaryTable`)."""

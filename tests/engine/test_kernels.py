@@ -271,6 +271,49 @@ def test_close_to_transformers(base_tokenizer, monkeypatch, one_torch_thread, is
     assert float((ours - lib).abs().max()) <= tol * scale
 
 
+@pytest.mark.parametrize("isa", _isa_params())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_adapters_a_is_swept_with_the_weight(base_tokenizer, monkeypatch, one_torch_thread, isa, dtype):
+    """The adapter's A rides in the weight's sweep (``a_in_w``) when its factors have the weight's dtype; with
+    float32 factors beside bf16 weights (``MTP_LORA_FACTORS=float32``) it stays a product of its own. Both give the
+    mask rows' logits within rounding of each other and the same argmax."""
+    tiny = _tiny(base_tokenizer, dtype=dtype, adapter="alora")
+    ids, m = tiny.prompt_ids(PROMPT), tiny.mask_token_id
+    x = torch.tensor([ids + [m] * 3])
+    out = {}
+    for factors in ("bf16", "float32"):
+        monkeypatch.setenv("MTP_LORA_FACTORS", factors)
+        lm = on_kernels(tiny, isa, monkeypatch)
+        qkv = lm.fast_engine().m.layer[0].qkv
+        assert qkv.rank > 0
+        assert qkv.a_in_w == int(factors == "bf16" or dtype == torch.float32), factors
+        assert (qkv.lora_a is None) == bool(qkv.a_in_w)
+        with torch.no_grad():
+            out[factors] = lm.forward(x, lm.new_cache(), 3, 0).float()[0, -4:]
+    scale = float(out["float32"].abs().max())
+    tol = 0.05 if dtype == torch.bfloat16 else 1e-5
+    assert float((out["bf16"] - out["float32"]).abs().max()) <= tol * scale
+    assert torch.equal(out["bf16"].argmax(-1), out["float32"].argmax(-1))
+
+
+def test_the_ctypes_mirror_is_checked_against_the_library():
+    """The library lists its structs' fields; the ctypes mirror matches, and a mirror with a field moved is
+    refused by name."""
+    import ctypes
+
+    from model.engine.kernels import abi
+
+    lib = K._load(False)
+    assert abi.layout_differences(abi.library_layout(lib), abi.mirror_layout()) == []
+    assert abi.library_layout(lib)["mtp_linear.a_in_w"][1] == 4
+
+    class Moved(ctypes.Structure):
+        _fields_ = [(name, typ) for name, typ in abi.Batch._fields_ if name != "nseq"] + [("nseq", ctypes.c_int32)]
+
+    diff = abi.layout_differences(abi.library_layout(lib), abi.mirror_layout({**abi.MIRRORS, "mtp_batch": Moved}))
+    assert any(line.startswith("mtp_batch.nseq: offset, size (0, 4) in the library") for line in diff), diff
+
+
 # ------------------------------------------------------------------------------------------- SmolLM2
 #: HF generate's tokens per (dtype, prompt ids, n): the reference does not depend on our kernels' ISA, so each ISA's
 #: test reads the one computed first.

@@ -129,9 +129,17 @@ static void trim_scratch() {
 // the adapter's delta (peft's order: base result in the dtype + float32 delta, rounded again).
 static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* x, int64_t ldx, float* y,
                    int64_t ldy, const uint8_t* amask, int nt) {
-  const int64_t n = L->n, k = L->k, nb = cdiv(n, 16), ldo = nb * 16;
+  int arows = 0;
+  if (amask && L->rank > 0)
+    for (int t = 0; t < T; t++) arows += amask[t] ? 1 : 0;
+  // With A inside w (a_in_w), a pass with adapter rows sweeps A's column blocks with the weight's: u = x A^T comes
+  // out of the same sweep, in the weight's kernel (AMX tiles, vdpbf16ps), for every row (each row's columns
+  // depend on that row alone, so the bits do not depend on which other rows the pass has).
+  const int64_t n = L->n, k = L->k, nb = cdiv(n, 16), nbu = cdiv(L->rank, 16);
+  const bool fused = arows > 0 && L->a_in_w;
+  const int64_t nbt = nb + (fused ? nbu : 0), ldo = nbt * 16;
   static thread_local Scratch s_out, s_xp, s_u;
-  float* out = (ldy == ldo) ? y : s_out.get((int64_t)T * ldo);
+  float* out = (ldy == ldo && !fused) ? y : s_out.get((int64_t)T * ldo);
   uint32_t* xp = nullptr;
   int64_t ldxp = cdiv(k, 2);
   if (L->layout == LAYOUT_BF16_PAIRS) {  // activations as bf16 pairs (exact: they hold bf16 values)
@@ -144,31 +152,32 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
   }
   parallel(nt, [&](int tid, int n_threads) {
     int64_t b0, b1;
-    share(nb, tid, n_threads, &b0, &b1);
+    share(nbt, tid, n_threads, &b0, &b1);
     if (b0 < b1) gemm_blocks(L, M->isa, T, x, ldx, xp, ldxp, out, ldo, b0, b1);
   });
   for (int t = 0; t < T; t++) bias_round_row(out + t * ldo, L->bias, y + t * ldy, n, M->dtype);
-  if (!amask || L->rank == 0) return;
-  static thread_local Scratch s_rows;
-  int arows = 0;
-  for (int t = 0; t < T; t++) arows += amask[t] ? 1 : 0;
   if (arows == 0) return;
-  // the adapter rows gathered (a copy: the same bits as computing them in place)
-  float* xa = s_rows.get((int64_t)arows * k + 1);
-  int* rows = (int*)malloc(sizeof(int) * arows);
+  static thread_local Scratch s_rows;  // ints in a float buffer (the same size)
+  int* rows = (int*)s_rows.get(arows);
   for (int t = 0, i = 0; t < T; t++)
-    if (amask[t]) { rows[i] = t; memcpy(xa + (int64_t)i * k, x + (int64_t)t * ldx, sizeof(float) * k); i++; }
-  // u = x A^T for the adapter rows (float32 u): the same column kernel on A
-  mtp_linear A;
-  memset(&A, 0, sizeof A);
-  A.w = L->lora_a; A.n = L->rank; A.k = L->k; A.layout = L->lora_layout;
-  const int64_t nbu = cdiv(L->rank, 16), ldu = nbu * 16;
+    if (amask[t]) rows[i++] = t;
+  const int64_t ldu = nbu * 16;
   float* u = s_u.get((int64_t)arows * ldu);
-  parallel(nt, [&](int tid, int n_threads) {
-    int64_t b0, b1;
-    share(nbu, tid, n_threads, &b0, &b1);
-    if (b0 < b1) gemm_blocks(&A, M->isa, arows, xa, k, nullptr, 0, u, ldu, b0, b1);
-  });
+  if (fused) {  // u: the adapter rows' A columns of the sweep (float32, unrounded)
+    for (int i = 0; i < arows; i++) memcpy(u + i * ldu, out + (int64_t)rows[i] * ldo + nb * 16, sizeof(float) * ldu);
+  } else {  // u = x A^T for the adapter rows gathered (a copy: the same bits as computing them in place)
+    static thread_local Scratch s_xa;
+    float* xa = s_xa.get((int64_t)arows * k + 1);
+    for (int i = 0; i < arows; i++) memcpy(xa + (int64_t)i * k, x + (int64_t)rows[i] * ldx, sizeof(float) * k);
+    mtp_linear A;
+    memset(&A, 0, sizeof A);
+    A.w = L->lora_a; A.n = L->rank; A.k = L->k; A.layout = L->lora_layout;
+    parallel(nt, [&](int tid, int n_threads) {
+      int64_t b0, b1;
+      share(nbu, tid, n_threads, &b0, &b1);
+      if (b0 < b1) gemm_blocks(&A, M->isa, arows, xa, k, nullptr, 0, u, ldu, b0, b1);
+    });
+  }
   // delta[t, j] = sum_r u[t, r] B[j, r] over the member's ranks only (no zero blocks), r in order: the same
   // column kernel on B (packed [out_m, r_m])
   static thread_local Scratch s_d;
@@ -186,5 +195,4 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
     });
     for (int t = 0; t < arows; t++) add_round_row(y + (int64_t)rows[t] * ldy + o0, d + t * ldd, om, M->dtype);
   }
-  free(rows);
 }
