@@ -20,14 +20,14 @@ computation is :mod:`model.engine.fast_forward`. What packing does:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import Unsupported
-from .model_reader import LayerRead, Projection, read_model
+from .model_reader import LayerRead, ModelRead, Projection, read_model
 
 # --------------------------------------------------------------------------------- matrices
 #: Most rows a prepacked oneDNN bf16 product takes. Up to 32 rows it gives ``F.linear``'s bits on every CPU
@@ -174,45 +174,20 @@ class PackedLayer:
 
 
 @dataclass
-class PackedModel:
-    """What the fast forward pass reads: the layers, the embeddings, the rotary module and the shapes.
+class PackedModel(ModelRead):
+    """What the fast forward pass reads: the model as :func:`~model.engine.model_reader.read_model` read it
+    (shapes, norms, embeddings, rotary module, adapter: the fields of
+    :class:`~model.engine.model_reader.ModelRead`), with its layers packed (:class:`PackedLayer` in place of the
+    read ones) and the output projection as a :class:`Linear`.
 
     Attributes:
-        embed: ``[V, H]`` input embedding; ``adapter_embed``: the same with peft's trained mask row, used
-            in adapter passes (None when the rows agree).
-        lm_head: the output projection; ``head_override``: ``(indices, rows [n, H])`` of peft's trained
-            output rows for adapter passes (None when none differ).
-        has_adapter: some layer or embedding row carries the adapter.
+        lm_head: ``head`` as the output projection.
+        packed: the projections run on oneDNN's prepacked bf16 kernels.
     """
 
-    source: Any
-    device: torch.device
-    dtype: torch.dtype
-    num_heads: int
-    kv_heads: int
-    head_dim: int
-    eps: float
-    scaling: float
-    max_positions: int | None
-    rotary: Any
-    layers: list[PackedLayer]
-    norm: torch.Tensor
-    embed: torch.Tensor
-    adapter_embed: torch.Tensor | None
-    lm_head: Linear
-    head_override: tuple[torch.Tensor, torch.Tensor] | None
-    adapter_kind: str | None
-    packed: bool
-
-    @property
-    def groups(self) -> int:
-        """Query heads per KV head."""
-        return self.num_heads // self.kv_heads
-
-    @property
-    def has_adapter(self) -> bool:
-        return (any(layer.qkv.lora or layer.o.lora or layer.gate_up.lora or layer.down.lora for layer in self.layers)
-                or self.adapter_embed is not None or self.head_override is not None)
+    layers: list[PackedLayer]  # type: ignore[assignment]  (the read layers, packed)
+    lm_head: Linear | None = None
+    packed: bool = False
 
 
 # --------------------------------------------------------------------------------- packing
@@ -258,10 +233,6 @@ def pack_model(model: Any) -> PackedModel:
     # projections stay separate and the pass equals transformers' bit for bit.
     stack = pack or device.type == "cuda"
     lm_head = Linear(read.head, None, pack)
-    return PackedModel(
-        source=model, device=device, dtype=dtype, num_heads=read.num_heads, kv_heads=read.kv_heads,
-        head_dim=read.head_dim, eps=read.eps, scaling=read.scaling, max_positions=read.max_positions,
-        rotary=read.rotary, layers=[_pack_layer(layer, dtype, pack, stack) for layer in read.layers],
-        norm=read.norm, embed=read.embed, adapter_embed=read.adapter_embed, lm_head=lm_head,
-        head_override=read.head_override, adapter_kind=read.adapter_kind, packed=pack and lm_head.packed,
-    )
+    read_fields = {f.name: getattr(read, f.name) for f in fields(ModelRead)}
+    read_fields["layers"] = [_pack_layer(layer, dtype, pack, stack) for layer in read.layers]
+    return PackedModel(**read_fields, lm_head=lm_head, packed=pack and lm_head.packed)
