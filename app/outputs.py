@@ -81,10 +81,10 @@ def cleared_outputs(strategy_choice: str = "ConfAdapt") -> tuple:
     return idle_outputs([], headline.CLEARED, strategy_choice=strategy_choice)
 
 
-def turn_outputs(state: TurnState, *, figures_due: bool, first: bool = False) -> tuple:
-    """Component updates for a turn state (figures only when due; the message taken once, ``""``, which the page
-    turns into a box command, :func:`box_command`; the
-    trade-off figure is the session's, drawn by the caller)."""
+def turn_outputs(state: TurnState, *, figures_due: bool, first: bool = False, status_due: bool = False) -> tuple:
+    """Component updates for a turn state (figures only when due; the status line with the first and the last
+    update and when ``status_due``: its text changed; the message taken once, ``""``, which the page turns into a
+    box command, :func:`box_command`; the trade-off figure is the session's, drawn by the caller)."""
     if state.phase == "cleared":
         return cleared_outputs(choice_of(state.strategy))
     final = state.final
@@ -119,7 +119,7 @@ def turn_outputs(state: TurnState, *, figures_due: bool, first: bool = False) ->
         race=figures.race_figure([("standard", state.standard.passes), (label, state.mtp.passes)])
         if draw else gr.skip(),
         table=render.pass_table_html(state) if final else gr.skip(),
-        status=render.status_html(status, kind=kind) if (first or final) else gr.skip(),
+        status=render.status_html(status, kind=kind) if (first or final or status_due) else gr.skip(),
         notice="" if (first or final) else gr.skip(),
         result=headline.summary(state, status=status, kind=kind) if final else gr.skip(),
     )

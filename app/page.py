@@ -23,6 +23,7 @@ from model.errors import RequestError
 from . import render, tradeoff
 from .api import ApiHandlers
 from .device import WidthProfile, progress_of
+from .headline import turn_status
 from .outputs import (
     TURN_OUTPUTS,
     box_command,
@@ -175,14 +176,16 @@ class Page(ApiHandlers):
             yield error_outputs(f"Could not start this turn: {type(e).__name__}: {e}"), True, None, {}
             return
         last_pane = last_fig = -1e9
-        fig_every, first = FIGURE_EVERY_S, True
+        fig_every, first, shown_status = FIGURE_EVERY_S, True, None
         for state in run_turn(turn, lambda: stop_requested(request.run_id), passes=self.passes):
             now = time.perf_counter()
             if not (first or state.final or (request.stream and now - last_pane >= PANE_EVERY_S)):
                 continue
             due = now - last_fig >= fig_every
+            status = turn_status(state)
             with self.passes.lock:  # no forward pass of any session runs while this renders
-                out = turn_outputs(state, figures_due=due, first=first)
+                out = turn_outputs(state, figures_due=due, first=first, status_due=status != shown_status)
+            shown_status = status
             last_pane, first = now, False
             if due:  # the figures grow with the answer: rendering takes at most a quarter of the time
                 last_fig = now

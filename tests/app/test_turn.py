@@ -363,3 +363,24 @@ def test_the_width_cost_survives_load_and_follows_the_pages_own_passes(tiny_regi
     assert pairs >= 3  # the turn's decode passes, each paired with the standard pass beside it
     assert "over" in render.width_text(prof, 4)  # shown with its spread
     assert page.facts.shape(key, lm, 4, measure=False) is not None
+
+
+def test_the_status_line_says_decoding_once_the_prompt_is_read(tiny_registry, monkeypatch):
+    """The status line of a streamed turn moves on from "reading the prompt" when the sides start decoding (it was
+    drawn only with the first and the last update, so it said "reading the prompt" all through decoding)."""
+    import app.page as page_mod
+    from app.requests import TurnRequest
+    from app.sessions import SessionRuns
+    from app.ui import TURN_OUTPUTS
+
+    monkeypatch.setattr(page_mod, "PANE_EVERY_S", 0.0)
+    page = page_mod.Page(tiny_registry, SessionRuns(), preload=False)
+    request = TurnRequest("Tell me a story.", [], "ConfAdapt", 0.9, 4, 3, 12, ("tiny", "none"))
+    statuses = []
+    for out, final, _, _ in page.generate_turn(request):
+        status = dict(zip(TURN_OUTPUTS, out))["status"]
+        if isinstance(status, str) and not final:
+            statuses.append(status)
+    assert "reading the prompt" in statuses[0]
+    assert any("running standard vs" in s for s in statuses[1:]), statuses
+    assert len(statuses) == 2  # drawn when it changes, not with every update
