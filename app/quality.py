@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 #: :data:`LOOP_MAX_PERIOD` tokens, or its last :data:`DISTINCT_WINDOW` tokens hold fewer than
 #: :data:`DISTINCT_FLOOR` distinct tokens per token.
 LOOP_SPAN = 24
-LOOP_MAX_PERIOD = 12
+LOOP_MAX_PERIOD = 32  # a sentence looped ("The rope is like a rope with a rope attached to it.": 14 tokens)
 DISTINCT_WINDOW = 48
 DISTINCT_FLOOR = 0.2
 

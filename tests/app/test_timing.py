@@ -173,6 +173,9 @@ def test_repetition_is_detected_in_loops_and_low_variety_only():
     assert repeats([1, 2, 3] + [7, 8, 9, 10] * 8)  # a 4-gram loop over the last 32 tokens
     assert repeats(list(range(40)) + [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22] * 3)  # 12-gram, 3 times
     assert not repeats([7, 8, 9, 10] * 5)  # 20 tokens: too short to call
+    sentence = list(range(100, 114))  # a 14-token sentence looped three times (SmolLM2 did this on the page)
+    assert repeats(list(range(30)) + sentence * 3) and not repeats(list(range(30)) + sentence * 2)
+    assert repeats(list(range(30)) + list(range(200, 232)) * 3)  # up to 32-token loops
     assert not repeats(list(range(100)))  # varied text
     assert not repeats(list(range(20)) + [1, 2] * 5)  # a short run of a loop (10 tokens) is not degenerate
     shuffled = [3, 1, 2, 2, 3, 1, 1, 1, 3, 2, 3, 2, 1, 3, 2, 2, 1, 1, 3, 3, 2, 1, 2, 3, 1, 3, 3, 2, 1, 1, 2, 3,
