@@ -72,7 +72,10 @@ def headline(state: TurnState) -> tuple[str, bool]:
         return f"{label} vs standard decoding: reading the prompt, {done:,} of {total:,} tokens (both sides)…", False
     if sp is None:
         return f"{label} vs standard decoding: waiting for both sides’ first tokens…", False
-    speed = times_text(sp.ratio) + _against_the_sums(sp)
+    if _no_clear_difference(sp):  # a ratio inside noise is not a result: say so in the headline itself
+        speed = f"about the same speed ({times_text(sp.ratio)}; its 90% interval includes equal speed)"
+    else:
+        speed = times_text(sp.ratio) + _against_the_sums(sp)
     q, parted, warn = state.quality, state.parted_at, False
     if not state.turn.sampling.greedy:
         cost, warn = _sampled_cost(state)
@@ -134,6 +137,11 @@ def pairs_text(n: int) -> str:
     return f"{n} pair{'' if n == 1 else 's'} of passes"
 
 
+def _no_clear_difference(sp: SpeedEstimate) -> bool:
+    """The headline's ratio reads faster or slower, but its 90% interval includes equal speed."""
+    return sp.low is not None and sp.high is not None and sp.low <= 1.0 <= sp.high and direction(sp.ratio) != 0
+
+
 def _against_the_sums(sp: SpeedEstimate) -> str:
     """Where the headline's ratio and the measured sums point different ways (one faster, the other slower), a
     parenthesis that says so and why; else nothing."""
@@ -162,7 +170,7 @@ def speed_html(state: TurnState | None) -> str:
     bits = [f"{what}"]
     if sp.low is not None and sp.high is not None:
         bits.append(f"90% interval {_interval_text(sp.low, sp.high)} over {sp.pairs} alternating pairs of passes")
-        if sp.low <= 1.0 <= sp.high and round(sp.ratio, 2) != 1.0:
+        if _no_clear_difference(sp):
             bits.append("the interval includes equal speed: no clear difference")
     else:
         bits.append(f"no interval from {pairs_text(sp.pairs)} (it needs {MIN_PAIRS_FOR_INTERVAL})")

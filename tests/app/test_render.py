@@ -288,3 +288,25 @@ def test_the_headline_details_and_counter_labels_meet_wcag_aa():
             assert _contrast(colour, background) >= 4.5, (selector, colour, background)
     warn = re.search(r"^\.mtp-warn \.mtp-speed-details \{color: (#[0-9a-f]{6})\}", ui.CSS, re.M).group(1)
     assert _contrast(warn, "#fff3e0") >= 4.5
+
+
+def test_a_ratio_inside_its_noise_reads_about_the_same_speed():
+    """When the 90% interval includes equal speed (verify that chose k_max 1: the same computation as standard),
+    the headline says so itself instead of announcing "1.16× faster" with the doubt only in the details."""
+    import random
+
+    from app.quality import Quality
+    from model.engine.strategies import verify
+
+    same = list(range(40))
+    state = _state(same, same, verify(4), Quality(0.41, 0.41), per_pass=1)
+    rng = random.Random(3)
+    for side in (state.standard, state.mtp):
+        for p in side.passes:
+            p.seconds = rng.uniform(0.03, 0.07)
+    sp = state.speed
+    assert sp.low <= 1.0 <= sp.high and headline.direction(sp.ratio) != 0  # the case this test is about
+    line, warn = headline.headline(state)
+    assert line.startswith("lossless verify k_max=4: about the same speed (") and not warn
+    assert "its 90% interval includes equal speed), identical answer (lossless)." in line
+    assert headline.times_text(sp.ratio) in line
