@@ -151,7 +151,8 @@ def _verify_bars(records: Sequence[PassRecord], i: int) -> dict:
             hover.append(f"{where}, mask {j + 1} proposes {html.escape(repr(t))} (confidence {c:.3f}); {why}")
     patterns = ["/" if c == UNUSED_BLOCK else "" for c in colours]
     return {"type": "bar", "x": xs, "y": ys, "name": "drafts", "text": labels,
-            "marker": {"color": colours, "pattern": {"shape": patterns, "fgcolor": "#8e7cc3", "size": 6}},
+            "marker": {"color": colours, "pattern": {"shape": patterns, "fgcolor": "#8e7cc3", "bgcolor": UNUSED_BLOCK,
+                                                  "size": 6}},
             "textposition": "inside", "insidetextanchor": "middle", "textfont": {"color": "white", "size": 14},
             "hovertext": hover, "hoverinfo": "text"}
 
