@@ -162,8 +162,8 @@ def _ask_and_controls(page: Page, c: SimpleNamespace) -> None:
     c.model_info = gr.HTML(page.default_info, elem_id="model-info", js_on_load=None)
     c.model_key = gr.State(page.default_key)
     with gr.Row(elem_id="ask-row"):
-        c.message = gr.Textbox(placeholder="Ask something (Enter sends)", show_label=False, scale=8, min_width=220,
-                               elem_id="message", lines=1, max_lines=6)
+        c.message = gr.Textbox(label="Your message", placeholder="Ask something (Enter sends)", show_label=False,
+                               scale=8, min_width=220, elem_id="message", lines=1, max_lines=6)
         c.send = gr.Button("Send", variant="primary", scale=1, min_width=64, elem_id="send")
         c.stop = gr.Button("Stop", variant="stop", scale=1, min_width=64, elem_id="stop")
         c.clear = gr.Button("Clear", scale=1, min_width=64, elem_id="clear")

@@ -364,6 +364,7 @@ def test_lossless_answer_and_the_page_at_390_px(page, served, capsys):
 
 # ---------------------------------------------------------------------------- values refused, sessions
 def test_typed_values_are_refused_not_clamped(page):
+    assert page.get_by_label("Your message").count() == 1  # the message box has a name for screen readers
     for elem, value, expected in (("k-max", 33, "k_max must be from 1 to 32, got 33"),
                                   ("max-new-tokens", 100000, "got 100000")):
         set_number(page, elem, value)
