@@ -186,8 +186,8 @@ class PackedModel(ModelRead):
     """
 
     layers: list[PackedLayer]  # type: ignore[assignment]  (the read layers, packed)
-    lm_head: Linear | None = None
-    packed: bool = False
+    lm_head: Linear
+    packed: bool
 
 
 # --------------------------------------------------------------------------------- packing

@@ -180,7 +180,7 @@ class KernelForward:
     def _linear(self, out: K.Linear, members: Sequence[Projection]) -> None:
         """Fill ``out`` for one group of stacked projections and the adapter's members among them. The adapter's
         A (all members stacked) is packed after the weight's columns, in its layout, when its factors have the
-        weight's dtype (``a_in_w``: a pass sweeps them with the weight); B stays a product of its own."""
+        weight's dtype (``lora_a_in_w``: a pass sweeps them with the weight); B stays a product of its own."""
         arena = self.arena
         w = torch.cat([m.weight for m in members]) if len(members) > 1 else members[0].weight
         n, k = w.shape
@@ -204,7 +204,7 @@ class KernelForward:
             w = torch.cat([w.to(self.dtype), pad.to(self.dtype), torch.cat(a_parts).to(self.dtype)])
         elif count:
             out.lora_a = arena.pack(torch.cat(a_parts), self.factor_layout)
-        out.w, out.a_in_w = arena.pack(w.to(self.dtype), self.layout), int(a_in_w)
+        out.w, out.lora_a_in_w = arena.pack(w.to(self.dtype), self.layout), int(a_in_w)
 
     def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin')`` float32 ``[T, head_dim]`` of the positions (:class:`~model.engine.fast_forward.RotaryTable`)."""

@@ -274,7 +274,7 @@ def test_close_to_transformers(base_tokenizer, monkeypatch, one_torch_thread, is
 @pytest.mark.parametrize("isa", _isa_params())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_adapters_a_is_swept_with_the_weight(base_tokenizer, monkeypatch, one_torch_thread, isa, dtype):
-    """The adapter's A rides in the weight's sweep (``a_in_w``) when its factors have the weight's dtype; with
+    """The adapter's A rides in the weight's sweep (``lora_a_in_w``) when its factors have the weight's dtype; with
     float32 factors beside bf16 weights (``MTP_LORA_FACTORS=float32``) it stays a product of its own. Both give the
     mask rows' logits within rounding of each other and the same argmax."""
     tiny = _tiny(base_tokenizer, dtype=dtype, adapter="alora")
@@ -286,8 +286,8 @@ def test_the_adapters_a_is_swept_with_the_weight(base_tokenizer, monkeypatch, on
         lm = on_kernels(tiny, isa, monkeypatch)
         qkv = lm.fast_engine().m.layer[0].qkv
         assert qkv.rank > 0
-        assert qkv.a_in_w == int(factors == "bf16" or dtype == torch.float32), factors
-        assert (qkv.lora_a is None) == bool(qkv.a_in_w)
+        assert qkv.lora_a_in_w == int(factors == "bf16" or dtype == torch.float32), factors
+        assert (qkv.lora_a is None) == bool(qkv.lora_a_in_w)
         with torch.no_grad():
             out[factors] = lm.forward(x, lm.new_cache(), 3, 0).float()[0, -4:]
     scale = float(out["float32"].abs().max())
@@ -305,7 +305,7 @@ def test_the_ctypes_mirror_is_checked_against_the_library():
 
     lib = K._load(False)
     assert abi.layout_differences(abi.library_layout(lib), abi.mirror_layout()) == []
-    assert abi.library_layout(lib)["mtp_linear.a_in_w"][1] == 4
+    assert abi.library_layout(lib)["mtp_linear.lora_a_in_w"][1] == 4
 
     class Moved(ctypes.Structure):
         _fields_ = [(name, typ) for name, typ in abi.Batch._fields_ if name != "nseq"] + [("nseq", ctypes.c_int32)]

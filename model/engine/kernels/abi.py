@@ -19,7 +19,7 @@ class Linear(ctypes.Structure):
 
     _fields_ = [("w", ctypes.c_void_p), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("layout", ctypes.c_int32),
                 ("bias", ctypes.c_void_p), ("rank", ctypes.c_int32), ("lora_a", ctypes.c_void_p),
-                ("a_in_w", ctypes.c_int32), ("members", ctypes.c_int32), ("m_out0", ctypes.c_int32 * 4),
+                ("lora_a_in_w", ctypes.c_int32), ("members", ctypes.c_int32), ("m_out0", ctypes.c_int32 * 4),
                 ("m_out1", ctypes.c_int32 * 4), ("m_r0", ctypes.c_int32 * 4), ("m_r1", ctypes.c_int32 * 4),
                 ("m_b", ctypes.c_void_p * 4), ("lora_layout", ctypes.c_int32)]
 

@@ -66,8 +66,8 @@ typedef struct {
   const float* bias;    // [n] or NULL
   // adapter (LoRA / aLoRA): delta = (x A^T) B^T on the adapter rows, per member without the zero blocks
   int32_t rank;         // sum of the members' ranks (0: no adapter)
-  const void* lora_a;   // A of all members stacked, [rank, k] packed as lora_layout (NULL when a_in_w)
-  int32_t a_in_w;       // 1: A is packed inside w instead, its rank columns in the blocks after the n columns'
+  const void* lora_a;   // A of all members stacked, [rank, k] packed as lora_layout (NULL when lora_a_in_w)
+  int32_t lora_a_in_w;  // 1: A is packed inside w instead, its rank columns in the blocks after the n columns
   int32_t members;      // at most 4
   int32_t m_out0[4], m_out1[4], m_r0[4], m_r1[4];  // member j: output columns [out0, out1), ranks [r0, r1)
   const void* m_b[4];   // member j: B * scaling, [out1 - out0, r1 - r0] packed as lora_layout
@@ -302,7 +302,7 @@ typedef struct {
 static const mtp_field FIELDS[] = {
     MTP_SIZE(mtp_linear), MTP_FIELD(mtp_linear, w), MTP_FIELD(mtp_linear, n), MTP_FIELD(mtp_linear, k),
     MTP_FIELD(mtp_linear, layout), MTP_FIELD(mtp_linear, bias), MTP_FIELD(mtp_linear, rank),
-    MTP_FIELD(mtp_linear, lora_a), MTP_FIELD(mtp_linear, a_in_w), MTP_FIELD(mtp_linear, members),
+    MTP_FIELD(mtp_linear, lora_a), MTP_FIELD(mtp_linear, lora_a_in_w), MTP_FIELD(mtp_linear, members),
     MTP_FIELD(mtp_linear, m_out0), MTP_FIELD(mtp_linear, m_out1), MTP_FIELD(mtp_linear, m_r0),
     MTP_FIELD(mtp_linear, m_r1), MTP_FIELD(mtp_linear, m_b), MTP_FIELD(mtp_linear, lora_layout),
     MTP_SIZE(mtp_layer), MTP_FIELD(mtp_layer, qkv), MTP_FIELD(mtp_layer, o), MTP_FIELD(mtp_layer, gate_up),

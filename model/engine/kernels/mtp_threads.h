@@ -132,11 +132,11 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
   int arows = 0;
   if (amask && L->rank > 0)
     for (int t = 0; t < T; t++) arows += amask[t] ? 1 : 0;
-  // With A inside w (a_in_w), a pass with adapter rows sweeps A's column blocks with the weight's: u = x A^T comes
-  // out of the same sweep, in the weight's kernel (AMX tiles, vdpbf16ps), for every row (each row's columns
+  // With A inside w (lora_a_in_w), a pass with adapter rows sweeps A's column blocks with the weight's: u = x A^T
+  // comes out of the same sweep, in the weight's kernel (AMX tiles, vdpbf16ps), for every row (each row's columns
   // depend on that row alone, so the bits do not depend on which other rows the pass has).
   const int64_t n = L->n, k = L->k, nb = cdiv(n, 16), nbu = cdiv(L->rank, 16);
-  const bool fused = arows > 0 && L->a_in_w;
+  const bool fused = arows > 0 && L->lora_a_in_w;
   const int64_t nbt = nb + (fused ? nbu : 0), ldo = nbt * 16;
   static thread_local Scratch s_out, s_xp, s_u;
   float* out = (ldy == ldo && !fused) ? y : s_out.get((int64_t)T * ldo);
