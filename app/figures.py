@@ -191,6 +191,10 @@ def passes_figure(records: Sequence[PassRecord], strategy: Strategy | None) -> d
     if n == 0:
         fig.add_trace(go.Bar(x=[], y=[]), row=1, col=1)
         fig.add_trace(go.Bar(x=[], y=[]), row=2, col=1)
+        fig.update_xaxes(range=[0.5, 8.5], row=1, col=1)  # the axes a first pass will have, none below zero
+        fig.update_yaxes(range=[0, max(k_max, 1) + 0.5], title_text="tokens", row=1, col=1)
+        fig.update_xaxes(range=[-0.5, max(k_max, 1) - 0.5], showticklabels=False, row=2, col=1)
+        fig.update_yaxes(range=[0, 1.05], title_text="confidence", row=2, col=1)
         fig.update_layout(title={"text": "Waiting for the first forward pass…", "x": 0.0, "xanchor": "left"},
                           height=560, showlegend=False, margin=dict(l=45, r=10, t=60, b=40), autosize=True)
         out = fig.to_dict()
@@ -282,6 +286,7 @@ def race_figure(panes: Sequence[tuple[str, Sequence[PassRecord]]]) -> go.Figure:
                                  hovertemplate="%{y} tokens after %{x:.2f} s<extra>" + html.escape(label) + "</extra>"))
     fig.update_layout(title={"text": "Race: tokens vs measured seconds", "x": 0.0, "xanchor": "left"}, height=360,
                       xaxis_title="measured s (sum of own passes)", yaxis_title="tokens",
+                      xaxis_rangemode="nonnegative", yaxis_rangemode="nonnegative",
                       margin=dict(l=50, r=10, t=80, b=45), autosize=True,
                       legend=dict(orientation="h", x=0.0, xanchor="left", y=1.02, yanchor="bottom"))
     return fig

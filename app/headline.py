@@ -217,6 +217,24 @@ def _parting(state: TurnState, i: int) -> str:
             "one-token pass, and there the two best candidates were nearly tied; in float32 they are identical")
 
 
+def cut_sides(state: TurnState) -> list[str]:
+    """The sides (``"standard"``, ``"MTP"``) whose answer ended at max new tokens, not at a stop token or
+    stop string: the answer is cut, not finished."""
+    limit = state.turn.max_new_tokens
+    return [name for name, res in (("standard", state.standard), ("MTP", state.mtp))
+            if res.passes and not res.passes[-1].stopped and res.new_tokens >= limit]
+
+
+def _cut_text(state: TurnState) -> str:
+    """`` Both answers were cut at max new tokens (128)…`` for a finished turn whose answers hit the limit."""
+    cut = cut_sides(state)
+    if not cut:
+        return ""
+    which = "Both answers were" if len(cut) == 2 else f"The {cut[0]} answer was"
+    return (f" {which} cut at max new tokens ({state.turn.max_new_tokens}) before the model ended "
+            f"{'them' if len(cut) == 2 else 'it'}; raise it for longer answers.")
+
+
 def turn_status(state: TurnState) -> tuple[str, str]:
     """(text, kind) of the status line for a turn's state."""
     n, label, src = state.turn.number, state.strategy.label, state.turn.lm.source
@@ -232,7 +250,7 @@ def turn_status(state: TurnState) -> tuple[str, str]:
         return f"Turn {n}: running standard vs {label} on {src}…", "info"
     if state.phase == "done":
         return (f"Turn {n}: done in {state.wall_seconds:.1f} s wall-clock (both sides, passes alternating, and one "
-                "scoring pass per answer).", "info")
+                f"scoring pass per answer).{_cut_text(state)}", "info")
     if state.phase == "stopped":
         return (f"■ Turn {n}: stopped after {state.standard.new_tokens} standard and {state.mtp.new_tokens} MTP "
                 "tokens. The partial answers stay in the conversation; send a new message to continue.", "info")
@@ -257,6 +275,7 @@ def summary(state: TurnState | None, *, status: str = "", kind: str = "info") ->
                 "pass_seconds": [round(p.seconds, 6) for p in res.passes],
                 "kept_per_pass": [len(p.kept) for p in res.passes]}
 
+    cut = cut_sides(state)
     sp = state.speed
     speed = None if sp is None else {
         "ratio": round(sp.ratio, 4), "low": None if sp.low is None else round(sp.low, 4),
@@ -276,6 +295,8 @@ def summary(state: TurnState | None, *, status: str = "", kind: str = "info") ->
            "mtp": side(state.mtp, state.strategy.spec), "identical": state.identical,
            "sampling": state.turn.sampling.to_dict(),
            "parted_at": state.parted_at, "quality": quality, "speed": speed}
+    out["standard"]["cut_at_max_new_tokens"] = "standard" in cut
+    out["mtp"]["cut_at_max_new_tokens"] = "MTP" in cut
     if sp is not None:
         out["standard"]["timing"] = _timing_dict(sp.standard)
         out["mtp"]["timing"] = _timing_dict(sp.mtp)

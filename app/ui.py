@@ -165,7 +165,7 @@ def _ask_and_controls(page: Page, c: SimpleNamespace) -> None:
         c.message = gr.Textbox(label="Your message", placeholder="Ask something (Enter sends)", show_label=False,
                                scale=8, min_width=220, elem_id="message", lines=1, max_lines=6)
         c.send = gr.Button("Send", variant="primary", scale=1, min_width=64, elem_id="send")
-        c.stop = gr.Button("Stop", variant="stop", scale=1, min_width=64, elem_id="stop")
+        c.stop = gr.Button("Stop", variant="secondary", scale=1, min_width=64, elem_id="stop")  # red only suits a running turn
         c.clear = gr.Button("Clear", scale=1, min_width=64, elem_id="clear")
     c.notice = gr.HTML("", elem_id="notice", js_on_load=None)
     c.status = gr.HTML("", elem_id="status", js_on_load=None)

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
                    help=f"comma-separated strategy specs, e.g. standard,confadapt:0.9:4,verify:auto "
                         f"(default: {DEFAULT_STRATEGIES})")
-    p.add_argument("--prompts", type=int, default=3, help="number of prompts (the first of --data)")
+    p.add_argument("--prompts", type=int, default=3, help="number of prompts (the first of --data; default: 3)")
     p.add_argument("--data", default=None,
                    help="JSONL with question (GSM8K) or prompt rows, e.g. assets/general_prompts_heldout.jsonl "
                         "(default: assets/gsm8k_test_sample.jsonl)")
@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per answer (default: 64)")
     add_sampling_arguments(p)
     p.add_argument("--widths", default=",".join(map(str, DEFAULT_WIDTHS)),
-                   help="tokens per pass for the width curve ('' to skip it)")
+                   help=f"tokens per pass for the width curve ('' to skip it; default: "
+                        f"{','.join(map(str, DEFAULT_WIDTHS))})")
     p.add_argument("--width-repeats", type=int, default=15, help="passes timed per width (default: 15)")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the 1 GiB bandwidth measurement")
     p.add_argument("--no-llama-cpp", action="store_true",
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (CUDA when present, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto, bfloat16, float32, float16 or float64")
     p.add_argument("--path", choices=["auto", "library"], default="auto",
-                   help="auto: the fast path where supported; library: transformers + peft only")
+                   help="auto (default): the fast path where supported; library: transformers + peft only")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-adapter", action="store_true", help="time the base model without its MTP adapter")
     p.add_argument("--concurrency", default=None,
@@ -71,12 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arrivals", default="together",
                    help="with --concurrency, comma-separated arrival modes: 'together' (all N requests there "
                         "before the first shared pass) and/or 'staggered' (request i arrives after i shared "
-                        "passes, its prefill joining pass i beside the others' decoding rows)")
+                        "passes, its prefill joining pass i beside the others' decoding rows); default: together")
     p.add_argument("--concurrency-repeats", default="auto",
                    help="with --concurrency, rounds per level and arrival mode, strategies interleaved, median "
                         "reported; 'auto' (default): ceil(largest level / N) rounds at level N")
     p.add_argument("--max-rows", type=int, default=256,
-                   help="with --concurrency, most rows in one shared pass (wider passes wait for the next)")
+                   help="with --concurrency, most rows in one shared pass (wider passes wait for the next; "
+                        "default: 256)")
     p.add_argument("--json", default=None, help="also write the report to this JSON file")
     return p
 

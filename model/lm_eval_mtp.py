@@ -14,6 +14,29 @@ import sys
 
 from .evaluation.lm_eval_model import INSTANCES
 
+#: What ``--help`` prints before lm-eval's own usage: the model this wrapper registers and its arguments.
+HELP = """python -m model.lm_eval_mtp: lm-eval-harness's command line with our MTP decoding registered as --model mtp.
+
+  python -m model.lm_eval_mtp --model mtp --model_args pretrained=smollm2-135m,tau=0.9,k_max=4 \\
+      --tasks gsm8k --limit 8 --output_path runs/lm_eval
+
+mtp's --model_args (comma-separated key=value):
+  pretrained   a checkpoint: smollm2-135m (default), a local folder, a .gguf file or a hub id
+  strategy     confadapt (default), static, verify, standard, or a spec such as confadapt:0.7:4
+  tau          ConfAdapt's threshold (default 0.9)
+  k_max        tokens per forward pass at most (default: the adapter's, else 16)
+  k            static k's block size (default 3)
+  max_gen_toks most new tokens per request (default 256)
+  device       auto (default: CUDA when present, else the CPU), cpu, cuda, cuda:N
+  dtype        auto (default), bfloat16, float32, ...
+  adapter      true (default) / false: the base model without its MTP adapter
+  stats_file   a JSON path for the decoding totals (effective k, tokens/s)
+  seed         the first sampled request's seed (request i uses seed + i; tasks that sample), default 0
+Effective k is printed on stderr at the end. Log-likelihood tasks score with the base model (one token per pass).
+
+lm-eval's own arguments follow.
+"""
+
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m model.lm_eval_mtp ARGS``: lm-eval's CLI (``ARGS`` unchanged) with ``mtp`` registered.
@@ -23,8 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     """
     from lm_eval.__main__ import cli_evaluate
 
+    args = list(argv) if argv is not None else sys.argv[1:]
+    if "-h" in args or "--help" in args:  # lm-eval's usage follows; first what this wrapper adds
+        print(HELP)
     caller_argv = sys.argv  # lm-eval's CLI reads sys.argv; the caller's is put back after the run
-    sys.argv = ["lm-eval"] + (list(argv) if argv is not None else sys.argv[1:])
+    sys.argv = ["lm-eval"] + args
     first = len(INSTANCES)  # the models this run makes (a caller in the same process may have made others)
     try:
         try:

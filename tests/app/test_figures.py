@@ -78,6 +78,18 @@ SWEEP = Sweep.from_dict({"model": "m", "n_prompts": 5, "max_new_tokens": 48, "po
 ]})
 
 
+def test_empty_figures_have_no_axis_below_zero():
+    """Before the first pass the figures draw the axes a pass will have: nothing below zero."""
+    from model.engine.strategies import confadapt
+
+    fig = figures.passes_figure([], confadapt(0.9, 4))
+    lay = fig["layout"]
+    assert lay["xaxis"]["range"][0] > 0 and lay["yaxis"]["range"] == [0, 4.5] and lay["yaxis2"]["range"] == [0, 1.05]
+    assert fig["frames"] == []
+    race = figures.race_figure([("standard", []), ("ConfAdapt", [])])
+    assert race.layout.xaxis.rangemode == race.layout.yaxis.rangemode == "nonnegative"
+
+
 def test_tau_point_interpolates_along_the_confadapt_curve():
     p = tradeoff.tau_point(SWEEP, 0.7, 4)
     assert p["inside"] and p["effective_k"] == pytest.approx(1.8) and p["agreement_with_standard"] == pytest.approx(0.5)

@@ -117,6 +117,23 @@ def test_a_finished_turn_is_scored_outside_the_timed_passes(tiny_registry):
     assert cleared.quality is None
 
 
+def test_answers_cut_at_max_new_tokens_are_named(tiny_registry):
+    """An answer that ends at max new tokens (not at a stop token) is said to be cut, in the status and the
+    summary; one stopped by the user before the limit is not."""
+    last = finish(prepare_turn(tiny_registry, TurnRequest("hi there", [], "static k", 0.9, 4, 3, 10, ("tiny", "none"))))[1]
+    assert last.phase == "done" and last.standard.new_tokens == last.mtp.new_tokens == 10
+    assert not last.standard.passes[-1].stopped and not last.mtp.passes[-1].stopped  # random weights: no stop token
+    text, kind = headline.turn_status(last)
+    assert "Both answers were cut at max new tokens (10)" in text and kind == "info"
+    summary = headline.summary(last, status=text, kind=kind)
+    assert summary["standard"]["cut_at_max_new_tokens"] and summary["mtp"]["cut_at_max_new_tokens"]
+    reasons = iter([None, None, "stopped"])
+    stopped = finish(prepare_turn(tiny_registry, TurnRequest("hi there", [], "static k", 0.9, 4, 3, 10, ("tiny", "none"))),
+                     lambda: next(reasons, "stopped"))[1]
+    assert stopped.phase == "stopped" and headline.cut_sides(stopped) == []
+    assert "cut at max new tokens" not in headline.turn_status(stopped)[0]
+
+
 def test_answer_points_come_from_finished_scored_turns(tiny_registry):
     import dataclasses
 
