@@ -215,7 +215,7 @@ def test_every_row_equals_the_one_token_pass(base_tokenizer, monkeypatch, one_to
                                              adapter):
     lm = on_kernels(_tiny(base_tokenizer, arch=arch, dtype=dtype, adapter=adapter), isa, monkeypatch)
     ids, m = lm.prompt_ids(PROMPT), lm.mask_token_id
-    for t in (2, 4, 8, 16, 32):
+    for t in (2, 4, 5, 7, 8, 13, 16, 32):  # row groups of 1-8 (5-6 rows at 4 column blocks, 7-8 at 3), two groups
         masks = t - 1
         got = row_exactness(lm, ids, [101] + [m] * masks, num_masks=masks)
         assert got.exact, (t, got)

@@ -210,7 +210,7 @@ static void gemm_blocks(const mtp_linear* L, int isa, int T, const float* x, int
     return;
   }
   const bool zmm = L->layout == LAYOUT_BF16_PAIRS || (isa >= ISA_AVX512BF16 && L->layout == LAYOUT_F32);
-  if (zmm) { vmax = 4; rmax = 4; }  // 32 zmm registers
+  if (zmm) { rmax = T <= 6 ? 6 : 8; vmax = rmax <= 6 ? 4 : 3; }  // 32 zmm registers (DISPATCH_RV8)
   else { vmax = T <= 1 ? 3 : 1; rmax = T <= 1 ? 1 : 4; }  // AVX2: 16 ymm registers
   for (int64_t b = b0; b < b1; b += vmax) {
     int V = (int)((b1 - b) < vmax ? (b1 - b) : vmax);
@@ -219,10 +219,10 @@ static void gemm_blocks(const mtp_linear* L, int isa, int T, const float* x, int
       float* o = out + t * ldo + b * 16;
       if (L->layout == LAYOUT_BF16_PAIRS) {
         const void* w = (const uint16_t*)L->w + b * cdiv(k, 2) * 32;
-        DISPATCH_RV(mk_512_bf16, 4, w, cdiv(k, 2), xp + t * ldxp, ldxp, o, ldo)
+        DISPATCH_RV8(mk_512_bf16, w, cdiv(k, 2), xp + t * ldxp, ldxp, o, ldo)
       } else if (isa >= ISA_AVX512BF16 && L->layout == LAYOUT_F32) {
         const void* w = (const float*)L->w + b * k * 16;
-        DISPATCH_RV(mk_512_f32, 4, w, k, x + t * ldx, ldx, o, ldo)
+        DISPATCH_RV8(mk_512_f32, w, k, x + t * ldx, ldx, o, ldo)
       } else if (L->layout == LAYOUT_F32) {
         const void* w = (const float*)L->w + b * k * 16;
         DISPATCH_RV(mk_avx2_f32, 4, w, k, x + t * ldx, ldx, o, ldo)

@@ -116,6 +116,28 @@ TGT512 static void mk_512_bf16(const void* w, int64_t k2, const uint32_t* x, int
     default: break;                                                                   \
   }
 
+// The zmm micro-kernels (32 registers) also take row groups of 5-8: R x V accumulators + V weight registers + one
+// broadcast fit in 32 for V = 4 up to R = 6 and V = 3 up to R = 8. A pass of 5-8 rows (an MTP decode pass: the
+// kept tokens plus k_max - 1 masks) then sweeps each weight panel once instead of twice.
+#define DISPATCH_RV8(FN, ...)                                                         \
+  switch (R * 8 + V) {                                                                \
+    case 5 * 8 + 1: FN<5, 1>(__VA_ARGS__); break;                                     \
+    case 5 * 8 + 2: FN<5, 2>(__VA_ARGS__); break;                                     \
+    case 5 * 8 + 3: FN<5, 3>(__VA_ARGS__); break;                                     \
+    case 5 * 8 + 4: FN<5, 4>(__VA_ARGS__); break;                                     \
+    case 6 * 8 + 1: FN<6, 1>(__VA_ARGS__); break;                                     \
+    case 6 * 8 + 2: FN<6, 2>(__VA_ARGS__); break;                                     \
+    case 6 * 8 + 3: FN<6, 3>(__VA_ARGS__); break;                                     \
+    case 6 * 8 + 4: FN<6, 4>(__VA_ARGS__); break;                                     \
+    case 7 * 8 + 1: FN<7, 1>(__VA_ARGS__); break;                                     \
+    case 7 * 8 + 2: FN<7, 2>(__VA_ARGS__); break;                                     \
+    case 7 * 8 + 3: FN<7, 3>(__VA_ARGS__); break;                                     \
+    case 8 * 8 + 1: FN<8, 1>(__VA_ARGS__); break;                                     \
+    case 8 * 8 + 2: FN<8, 2>(__VA_ARGS__); break;                                     \
+    case 8 * 8 + 3: FN<8, 3>(__VA_ARGS__); break;                                     \
+    default: DISPATCH_RV(FN, 4, __VA_ARGS__)                                          \
+  }
+
 // AVX2, one block of 16 columns for R (1-4) rows: mk_avx2<R, 1>'s arithmetic in named accumulators. GCC kept
 // mk_avx2's accumulator arrays in registers but also stored them to the stack on every step for R >= 3 (a
 // 4-row product took twice a 2-row one); named variables stay in registers.
