@@ -211,11 +211,14 @@ static void gemm_blocks(const mtp_linear* L, int isa, int T, const float* x, int
   }
   const bool zmm = L->layout == LAYOUT_BF16_PAIRS || (isa >= ISA_AVX512BF16 && L->layout == LAYOUT_F32);
   if (zmm) { rmax = T <= 6 ? 6 : 8; vmax = rmax <= 6 ? 4 : 3; }  // 32 zmm registers (DISPATCH_RV8)
-  else { vmax = T <= 1 ? 3 : 1; rmax = T <= 1 ? 1 : 4; }  // AVX2: 16 ymm registers
+  else { vmax = T <= 1 ? 3 : 1; rmax = T <= 1 ? 1 : 6; }  // AVX2: 16 ymm registers (DISPATCH_AVX2)
+  // Rows in as few groups as rmax allows, split evenly (7 rows: 4 + 3, not 6 + 1): a small group's few
+  // accumulator chains wait on the multiply-add's latency, so a trailing 1-row group cost nearly a whole sweep.
+  const int groups = (T + rmax - 1) / rmax;
   for (int64_t b = b0; b < b1; b += vmax) {
     int V = (int)((b1 - b) < vmax ? (b1 - b) : vmax);
-    for (int t = 0; t < T; t += rmax) {
-      int R = (T - t) < rmax ? (T - t) : rmax;
+    for (int g = 0, t = 0, R = 0; g < groups; g++, t += R) {
+      R = (T - t + (groups - g) - 1) / (groups - g);
       float* o = out + t * ldo + b * 16;
       if (L->layout == LAYOUT_BF16_PAIRS) {
         const void* w = (const uint16_t*)L->w + b * cdiv(k, 2) * 32;
@@ -225,10 +228,10 @@ static void gemm_blocks(const mtp_linear* L, int isa, int T, const float* x, int
         DISPATCH_RV8(mk_512_f32, w, k, x + t * ldx, ldx, o, ldo)
       } else if (L->layout == LAYOUT_F32) {
         const void* w = (const float*)L->w + b * k * 16;
-        DISPATCH_RV(mk_avx2_f32, 4, w, k, x + t * ldx, ldx, o, ldo)
+        DISPATCH_AVX2(mk_avx2_f32, w, k, x + t * ldx, ldx, o, ldo)
       } else {
         const void* w = (const uint16_t*)L->w + b * k * 16;
-        DISPATCH_RV(mk_avx2_bf16, 4, w, k, x + t * ldx, ldx, o, ldo)
+        DISPATCH_AVX2(mk_avx2_bf16, w, k, x + t * ldx, ldx, o, ldo)
       }
     }
   }

@@ -138,12 +138,22 @@ TGT512 static void mk_512_bf16(const void* w, int64_t k2, const uint32_t* x, int
     default: DISPATCH_RV(FN, 4, __VA_ARGS__)                                          \
   }
 
-// AVX2, one block of 16 columns for R (1-4) rows: mk_avx2<R, 1>'s arithmetic in named accumulators. GCC kept
+// AVX2 row groups of 5-6 (one column block, mk_avx2_v1), else DISPATCH_RV's.
+#define DISPATCH_AVX2(FN, ...)                                                        \
+  switch (R * 8 + V) {                                                                \
+    case 5 * 8 + 1: FN<5, 1>(__VA_ARGS__); break;                                     \
+    case 6 * 8 + 1: FN<6, 1>(__VA_ARGS__); break;                                     \
+    default: DISPATCH_RV(FN, 4, __VA_ARGS__)                                          \
+  }
+
+// AVX2, one block of 16 columns for R (1-6) rows: mk_avx2<R, 1>'s arithmetic in named accumulators. GCC kept
 // mk_avx2's accumulator arrays in registers but also stored them to the stack on every step for R >= 3 (a
-// 4-row product took twice a 2-row one); named variables stay in registers.
+// 4-row product took twice a 2-row one); named variables stay in registers. Six rows: 12 accumulators, two
+// weight halves and a broadcast, 15 of the 16 ymm registers.
 template <int R, bool BF16>
 TGT2 static void mk_avx2_v1(const void* w, int64_t k, const float* x, int64_t ldx, float* out, int64_t ldo) {
-  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;
+  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0, l4 = l0, h4 = l0,
+         l5 = l0, h5 = l0;
   const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
   for (int64_t j = 0; j < k; j++) {
     __m256 wl, wh;
@@ -174,12 +184,24 @@ TGT2 static void mk_avx2_v1(const void* w, int64_t k, const float* x, int64_t ld
       l3 = _mm256_fmadd_ps(xb, wl, l3);
       h3 = _mm256_fmadd_ps(xb, wh, h3);
     }
+    if (R > 4) {
+      xb = _mm256_set1_ps(x[4 * ldx + j]);
+      l4 = _mm256_fmadd_ps(xb, wl, l4);
+      h4 = _mm256_fmadd_ps(xb, wh, h4);
+    }
+    if (R > 5) {
+      xb = _mm256_set1_ps(x[5 * ldx + j]);
+      l5 = _mm256_fmadd_ps(xb, wl, l5);
+      h5 = _mm256_fmadd_ps(xb, wh, h5);
+    }
   }
   _mm256_storeu_ps(out, l0);
   _mm256_storeu_ps(out + 8, h0);
   if (R > 1) { _mm256_storeu_ps(out + ldo, l1); _mm256_storeu_ps(out + ldo + 8, h1); }
   if (R > 2) { _mm256_storeu_ps(out + 2 * ldo, l2); _mm256_storeu_ps(out + 2 * ldo + 8, h2); }
   if (R > 3) { _mm256_storeu_ps(out + 3 * ldo, l3); _mm256_storeu_ps(out + 3 * ldo + 8, h3); }
+  if (R > 4) { _mm256_storeu_ps(out + 4 * ldo, l4); _mm256_storeu_ps(out + 4 * ldo + 8, h4); }
+  if (R > 5) { _mm256_storeu_ps(out + 5 * ldo, l5); _mm256_storeu_ps(out + 5 * ldo + 8, h5); }
 }
 
 template <int R, int V>
