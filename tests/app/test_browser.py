@@ -96,22 +96,38 @@ def send(pg, text: str) -> None:
     pg.click("#send")
 
 
+def _waited(pg, what: str, js: str, arg, timeout: int) -> None:
+    """``pg.wait_for_function(js, arg)``; on a timeout, a screenshot of the page and its status, notice and counters
+    in the error (a wait that fails only on a loaded machine is then readable from CI's output)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        pg.wait_for_function(js, arg=arg, timeout=timeout)
+    except PlaywrightTimeout as e:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        shot = ARTIFACTS / f"timeout-{time.strftime('%H%M%S')}.png"
+        pg.screenshot(path=str(shot), full_page=True)
+        seen = {sel: pg.inner_text(sel) if pg.locator(sel).count() else None
+                for sel in ("#status", "#notice", "#stats-std", "#stats-mtp")}
+        raise AssertionError(f"waited {timeout / 1000:.0f} s for {what}; the page showed {seen}; "
+                             f"screenshot {shot}") from e
+
+
 def wait_status(pg, pattern: str | tuple[str, ...], timeout: int = TIMEOUT_MS) -> str:
     """Wait until the status line contains ``pattern`` (or one of several); return the status text."""
     patterns = [pattern] if isinstance(pattern, str) else list(pattern)
-    pg.wait_for_function("(ps) => { const s = document.querySelector('#status');"
-                         " return s && ps.some(p => s.innerText.includes(p)); }", arg=patterns, timeout=timeout)
+    _waited(pg, f"the status {patterns}", "(ps) => { const s = document.querySelector('#status');"
+            " return s && ps.some(p => s.innerText.includes(p)); }", patterns, timeout)
     return pg.inner_text("#status")
 
 
 def wait_tokens(pg, n: int) -> None:
     """Wait until the MTP side of the running turn has generated at least ``n`` tokens (the counters of a
     finished turn do not count: they still show its figures until the next turn's first update)."""
-    pg.wait_for_function(
-        "(n) => { const c = document.querySelector('#stats-mtp [data-name=\"tokens\"] .mtp-counter-value');"
-        " const s = document.querySelector('#stats-mtp .mtp-counters');"
-        " return c && s && s.dataset.state === 'running' && parseFloat(c.innerText) >= n; }", arg=n,
-        timeout=TIMEOUT_MS)
+    _waited(pg, f"{n} MTP tokens of a running turn",
+            "(n) => { const c = document.querySelector('#stats-mtp [data-name=\"tokens\"] .mtp-counter-value');"
+            " const s = document.querySelector('#stats-mtp .mtp-counters');"
+            " return c && s && s.dataset.state === 'running' && parseFloat(c.innerText) >= n; }", n, TIMEOUT_MS)
 
 
 def answers(pg, pane: str) -> list[str]:
