@@ -188,13 +188,13 @@ def passes_figure(records: Sequence[PassRecord], strategy: Strategy | None) -> d
     for ann in fig.layout.annotations:
         ann.update(x=0.0, xanchor="left", font={"size": 13})
     n = len(records)
+    fig.update_xaxes(range=[0.5, max(n, 8) + 0.5], row=1, col=1)  # before the first pass too: none below zero
+    fig.update_yaxes(range=[0, max(k_max, 1) + 0.5], title_text="tokens", row=1, col=1)
+    fig.update_yaxes(range=[0, 1.05], title_text="confidence", row=2, col=1)
     if n == 0:
         fig.add_trace(go.Bar(x=[], y=[]), row=1, col=1)
         fig.add_trace(go.Bar(x=[], y=[]), row=2, col=1)
-        fig.update_xaxes(range=[0.5, 8.5], row=1, col=1)  # the axes a first pass will have, none below zero
-        fig.update_yaxes(range=[0, max(k_max, 1) + 0.5], title_text="tokens", row=1, col=1)
         fig.update_xaxes(range=[-0.5, max(k_max, 1) - 0.5], showticklabels=False, row=2, col=1)
-        fig.update_yaxes(range=[0, 1.05], title_text="confidence", row=2, col=1)
         fig.update_layout(title={"text": "Waiting for the first forward pass…", "x": 0.0, "xanchor": "left"},
                           height=560, showlegend=False, margin=dict(l=45, r=10, t=60, b=40), autosize=True)
         out = fig.to_dict()
@@ -210,9 +210,6 @@ def passes_figure(records: Sequence[PassRecord], strategy: Strategy | None) -> d
     if tau is not None:
         fig.add_hline(y=tau, line_dash="dash", line_color="#444", row=2, col=1,
                       annotation_text=f"tau {tau:.2f}", annotation_position="top right")
-    fig.update_xaxes(range=[0.5, max(n, 8) + 0.5], row=1, col=1)
-    fig.update_yaxes(range=[0, max(k_max, 1) + 0.5], title_text="tokens", row=1, col=1)
-    fig.update_yaxes(range=[0, 1.05], title_text="confidence", row=2, col=1)
     # rotated token labels: automargin keeps the first ones inside the figure on a phone (390 px)
     fig.update_xaxes(tickangle=-50, type="category", automargin=True, row=2, col=1)
     step_args = {"frame": {"duration": 0, "redraw": True}, "mode": "immediate", "transition": {"duration": 0}}

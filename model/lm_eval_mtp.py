@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from .evaluation.lm_eval_model import INSTANCES
+from .evaluation.lm_eval_model import INSTANCES, MODEL_ARGS_HELP
 
 #: What ``--help`` prints before lm-eval's own usage: the model this wrapper registers and its arguments.
 HELP = """python -m model.lm_eval_mtp: lm-eval-harness's command line with our MTP decoding registered as --model mtp.
@@ -21,18 +21,7 @@ HELP = """python -m model.lm_eval_mtp: lm-eval-harness's command line with our M
       --tasks gsm8k --limit 8 --output_path runs/lm_eval
 
 mtp's --model_args (comma-separated key=value):
-  pretrained   a checkpoint: smollm2-135m (default), a local folder, a .gguf file or a hub id
-  strategy     confadapt (default), static, verify, standard, or a spec such as confadapt:0.7:4
-  tau          ConfAdapt's threshold (default 0.9)
-  k_max        tokens per forward pass at most (default: the adapter's, else 16)
-  k            static k's block size (default 3)
-  max_gen_toks most new tokens per request (default 256)
-  device       auto (default: CUDA when present, else the CPU), cpu, cuda, cuda:N
-  dtype        auto (default), bfloat16, float32, ...
-  adapter      true (default) / false: the base model without its MTP adapter
-  stats_file   a JSON path for the decoding totals (effective k, tokens/s)
-  seed         the first sampled request's seed (request i uses seed + i; tasks that sample), default 0
-Effective k is printed on stderr at the end. Log-likelihood tasks score with the base model (one token per pass).
+""" + MODEL_ARGS_HELP + """Effective k is printed on stderr at the end. Log-likelihood tasks score with the base model (one token per pass).
 
 lm-eval's own arguments follow.
 """

@@ -8,12 +8,7 @@ From Python: ``import model.evaluation.lm_eval_model`` and then ``lm_eval.simple
 model_args=..., ...)`` or pass an :class:`MTPLM` instance. The plain ``lm_eval`` executable does
 not know ``mtp``.
 
-Model arguments (``--model_args``): ``pretrained`` (a source for :func:`load_checkpoint`,
-default ``smollm2-135m``), ``strategy`` (``confadapt`` default, ``static``, ``verify``, ``standard``
-or a spec such as ``confadapt:0.7:4``), ``tau`` (0.9), ``k_max`` (the adapter's, else 16), ``k``
-(static block size, 3),
-``max_gen_toks`` (256), ``dtype``, ``adapter`` (true), ``stats_file`` (a JSON path to write the
-decoding totals to). Effective k is logged after every ``generate_until`` call, kept in
+Model arguments (``--model_args``): :data:`MODEL_ARGS_HELP`. Effective k is logged after every ``generate_until`` call, kept in
 :attr:`MTPLM.stats`, and printed on stderr by this CLI wrapper at the end of the run.
 
 ``loglikelihood`` and ``loglikelihood_rolling`` score with the base model (adapter off): one
@@ -42,6 +37,21 @@ from ..engine.text import chat_prompt_ids, encode_literal
 from .accuracy import draft_metrics
 
 log = logging.getLogger(__name__)
+
+#: ``--model_args`` of the ``mtp`` model, one per line (``python -m model.lm_eval_mtp --help`` prints it).
+MODEL_ARGS_HELP = """\
+  pretrained   a checkpoint: smollm2-135m (default), a local folder, a .gguf file or a hub id
+  strategy     confadapt (default), static, verify, standard, or a spec such as confadapt:0.7:4
+  tau          ConfAdapt's threshold (default 0.9)
+  k_max        tokens per forward pass at most (default: the adapter's, else 16)
+  k            static k's block size (default 3)
+  max_gen_toks most new tokens per request (default 256)
+  device       auto (default: CUDA when present, else the CPU), cpu, cuda, cuda:N
+  dtype        auto (default), bfloat16, float32, ...
+  adapter      true (default) / false: the base model without its MTP adapter
+  stats_file   a JSON path for the decoding totals (effective k, tokens/s)
+  seed         the first sampled request's seed (request i uses seed + i; tasks that sample), default 0
+"""
 
 #: The instances created in this process (the CLI wrapper prints their totals at the end).
 INSTANCES: list["MTPLM"] = []
