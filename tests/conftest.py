@@ -124,13 +124,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def make_tiny(tokenizer, arch: str = "llama", dtype=torch.float32, seed: int = 0, layers: int = 2,
-              tied: bool = False):
+              tied: bool = False, **config):
     """A 2-layer random-initialised Llama or Qwen3 causal LM over ``tokenizer``'s vocabulary.
 
     Untied by default: a random model with tied embeddings mostly predicts its own input token (the
     residual stream is dominated by the input embedding), so its greedy answers are one token
     repeated, which makes equivalence tests trivial. The output layer is scaled up so that greedy
-    choices are well separated."""
+    choices are well separated. ``config`` overrides the config's fields (e.g. the attention heads' shape)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
     torch.manual_seed(seed)
@@ -138,7 +138,10 @@ def make_tiny(tokenizer, arch: str = "llama", dtype=torch.float32, seed: int = 0
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                   pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tied)
-    cfg = LlamaConfig(**common) if arch == "llama" else Qwen3Config(head_dim=16, **common)
+    if arch != "llama":
+        common["head_dim"] = 16
+    common.update(config)
+    cfg = LlamaConfig(**common) if arch == "llama" else Qwen3Config(**common)
     cfg._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(cfg).to(dtype)
     # Sharper random logits than the default init, so greedy choices are well separated.

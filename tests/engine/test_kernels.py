@@ -61,9 +61,9 @@ def on_kernels(lm, isa: str, monkeypatch):
     return view
 
 
-def _tiny(base_tokenizer, arch="llama", dtype=torch.bfloat16, adapter=None):
+def _tiny(base_tokenizer, arch="llama", dtype=torch.bfloat16, adapter=None, **config):
     tok = copy.deepcopy(base_tokenizer)
-    lm = wrap_model(make_tiny(tok, arch=arch, dtype=dtype), tok, source=f"tiny-{arch}")
+    lm = wrap_model(make_tiny(tok, arch=arch, dtype=dtype, **config), tok, source=f"tiny-{arch}")
     if adapter:
         cfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
                          alora_invocation_tokens=[lm.mask_token_id] if adapter == "alora" else None,
@@ -223,6 +223,32 @@ def test_every_row_equals_the_one_token_pass(base_tokenizer, monkeypatch, one_to
         assert got.exact, (t, got)
     got = row_exactness(lm, ids, [101] + [m] * 5, num_masks=5, positions=TREE_POS, visible=TREE_VIS)
     assert got.exact, got
+
+
+@pytest.mark.parametrize("isa", _isa_params())
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 1, 32), (6, 2, 12), (3, 3, 40)])
+def test_attention_for_every_head_grouping(base_tokenizer, monkeypatch, one_torch_thread, isa, heads, kv_heads,
+                                           head_dim):
+    """Attention runs up to 3 query heads of one KV head together (each cached key and value widened once for
+    them): 8 heads on one KV head (3 + 3 + 2), 3 per KV head, 1; head sizes that take the 32-lane weighted sum,
+    the 8-lane scores with the scalar weighted sum, and the scalar scores. Rows stay exact at every width and in a
+    tree (bf16), and float32 logits stay within 1e-4 of transformers'."""
+    from transformers import DynamicCache
+
+    shape = dict(hidden_size=96, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
+    lm = on_kernels(_tiny(base_tokenizer, dtype=torch.bfloat16, adapter="alora", **shape), isa, monkeypatch)
+    ids, m = lm.prompt_ids(PROMPT), lm.mask_token_id
+    for t in (2, 5, 8):
+        got = row_exactness(lm, ids, [101] + [m] * (t - 1), num_masks=t - 1)
+        assert got.exact, (t, got)
+    got = row_exactness(lm, ids, [101] + [m] * 5, num_masks=5, positions=TREE_POS, visible=TREE_VIS)
+    assert got.exact, got
+    lm = on_kernels(_tiny(base_tokenizer, dtype=torch.float32, adapter="alora", **shape), isa, monkeypatch)
+    x = torch.tensor([ids + [m] * 3])
+    with torch.no_grad():
+        ours = lm.forward(x, lm.new_cache(), 3, 0).float()
+        lib = lm.forward(x, DynamicCache(config=lm.model.config), 3, 0).float()
+    assert float((ours - lib).abs().max()) <= 1e-4 * float(lib.abs().max())
 
 
 @pytest.mark.parametrize("isa", _isa_params())

@@ -81,21 +81,48 @@ TGT2 static inline __m256 key8(const void* kc, int dtype, int64_t off) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)k)), 16));
 }
 
-// Scores of q with 8 cached keys at once (offsets off[0..7]), for head_dim a multiple of 8: each key's lanes
-// and sums exactly as dot_kv's (its zero tail included), so each score has dot_kv's bits; the 8 horizontal sums
-// run as one transpose (hadd pairs lanes as dot_kv's ((0+1)+(2+3))+((4+5)+(6+7)) does).
-TGT2 static void dot_kv8(const float* q, const void* kc, int dtype, const int64_t* off, int hd, float* out) {
-  __m256 a[8];
-  for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-  for (int d = 0; d < hd; d += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + d);
-    for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, key8(kc, dtype, off[j] + d), a[j]);
-  }
+// Scores of the G queries q[0..G-1] (heads sharing one KV head) with 4 cached keys (offsets off[0..3]), for
+// head_dim a multiple of 8: each key is widened once for the G heads, and each score has dot_kv's bits (its lanes
+// and order, its zero tail step; the 4 horizontal sums run as one transpose: hadd pairs lanes as dot_kv's
+// ((0+1)+(2+3))+((4+5)+(6+7)) does, then the two 128-bit halves are added).
+template <int G>
+TGT2 static void dot_kv4_heads(const float* const* q, const void* kc, int dtype, const int64_t* off, int hd,
+                               float* const* out) {
+  __m256 a[G][4];
+  for (int g = 0; g < G; g++)
+    for (int j = 0; j < 4; j++) a[g][j] = _mm256_setzero_ps();
+  for (int d = 0; d < hd; d += 8)
+    for (int j = 0; j < 4; j++) {
+      const __m256 kv = key8(kc, dtype, off[j] + d);
+      for (int g = 0; g < G; g++) a[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d), kv, a[g][j]);
+    }
   const __m256 z = _mm256_setzero_ps();
-  for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(z, z, a[j]);  // dot_kv's padded tail step
-  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31)));
+  for (int g = 0; g < G; g++) {
+    for (int j = 0; j < 4; j++) a[g][j] = _mm256_fmadd_ps(z, z, a[g][j]);  // dot_kv's padded tail step
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]), _mm256_hadd_ps(a[g][2], a[g][3]));
+    _mm_storeu_ps(out[g], _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+  }
+}
+
+// o[g][d] = (sum_i p[g][i] v_i[d]) * inv[g] rounded to the dtype for the G heads sharing one KV head, head_dim a
+// multiple of 32: each value widened once for the G heads; per head and lane axpy_kv's fused multiply-adds in
+// value order (32 lanes of each head's sum held in registers across the values), so the same bits.
+template <int G>
+TGT2 static void weighted_values_heads(const float* const* p, int64_t n, const void* vc, int dtype, const int64_t* off,
+                                       int hd, const float* inv, float* const* o) {
+  for (int d0 = 0; d0 < hd; d0 += 32) {
+    __m256 acc[G][4];
+    for (int g = 0; g < G; g++)
+      for (int c = 0; c < 4; c++) acc[g][c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i++)
+      for (int c = 0; c < 4; c++) {
+        const __m256 vv = key8(vc, dtype, off[i] + d0 + 8 * c);
+        for (int g = 0; g < G; g++) acc[g][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(p[g] + i), vv, acc[g][c]);
+      }
+    for (int g = 0; g < G; g++)
+      for (int c = 0; c < 4; c++)
+        _mm256_storeu_ps(o[g] + d0 + 8 * c, to_dtype8(_mm256_mul_ps(acc[g][c], _mm256_set1_ps(inv[g])), dtype));
+  }
 }
 
 // acc[d] = fma(p, v[d], acc[d]) for one cached value (every lane one fused multiply-add, vector or tail).
@@ -113,23 +140,6 @@ TGT2 static void axpy_kv(float* acc, float p, const void* vc, int dtype, int64_t
     const float* v = (const float*)vc + off;
     for (; d + 8 <= hd; d += 8) _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc + d)));
     for (; d < hd; d++) acc[d] = fmaf(p, v[d], acc[d]);
-  }
-}
-
-// o[d] = (sum_i p[i] v_i[d]) * inv rounded to the dtype, for head_dim a multiple of 64: axpy_kv's fused
-// multiply-adds in value order, with 64 lanes of the sum held in registers across the values.
-TGT2 static void weighted_values(const float* p, int64_t n, const void* vc, int dtype, const int64_t* off, int hd,
-                                 float inv, float* o) {
-  const __m256 iv = _mm256_set1_ps(inv);
-  for (int d0 = 0; d0 < hd; d0 += 64) {
-    constexpr int w = 8;
-    __m256 acc[8];
-    for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; i++) {
-      const __m256 pv = _mm256_set1_ps(p[i]);
-      for (int c = 0; c < w; c++) acc[c] = _mm256_fmadd_ps(pv, key8(vc, dtype, off[i] + d0 + 8 * c), acc[c]);
-    }
-    for (int c = 0; c < w; c++) _mm256_storeu_ps(o + d0 + 8 * c, to_dtype8(_mm256_mul_ps(acc[c], iv), dtype));
   }
 }
 

@@ -5,58 +5,90 @@ static inline void kv_put(void* base, int dtype, int64_t i, float v) {
   else ((float*)base)[i] = v;
 }
 
+// Scores, softmax and weighted values of the G heads h0.. (all of one KV head) for one query row, over the n
+// keys / values at element offsets idx. Per head exactly the one-head order: keys in cache order (4 at a time,
+// then one by one), the scale, the max, exp, the sum, values in cache order.
+template <int G>
+TGT2 static void attend_heads(const mtp_model* M, const float* qt, const void* kc, const void* vc, const int64_t* idx,
+                              int64_t n, int64_t ldsc, float* sc, float* o) {
+  const int hd = M->head_dim, dtype = M->dtype;
+  const float* qs[G];
+  float* scs[G];
+  float* os[G];
+  float inv[G];
+  for (int g = 0; g < G; g++) { qs[g] = qt + g * hd; scs[g] = sc + g * ldsc; os[g] = o + g * hd; }
+  int64_t i4 = 0;
+  if (hd % 8 == 0)
+    for (; i4 + 4 <= n; i4 += 4) {
+      float* at[G];
+      for (int g = 0; g < G; g++) at[g] = scs[g] + i4;
+      dot_kv4_heads<G>(qs, kc, dtype, idx + i4, hd, at);
+    }
+  for (int g = 0; g < G; g++) {
+    float* s = scs[g];
+    for (int64_t i = i4; i < n; i++) s[i] = dot_kv(qs[g], kc, dtype, idx[i], hd);
+    for (int64_t i = 0; i < n; i++) s[i] *= M->scaling;
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; i++) m = s[i] > m ? s[i] : m;
+    for (int64_t i = 0; i < n; i++) s[i] -= m;
+    exp_inplace(s, n);
+    inv[g] = 1.0f / sum_lanes(s, n);
+  }
+  if (hd % 32 == 0) {
+    weighted_values_heads<G>(scs, n, vc, dtype, idx, hd, inv, os);
+    return;
+  }
+  static thread_local Scratch s_acc;
+  float* acc = s_acc.get(hd + 8);
+  for (int g = 0; g < G; g++) {
+    for (int d = 0; d < hd; d++) acc[d] = 0.f;
+    for (int64_t i = 0; i < n; i++) axpy_kv(acc, scs[g][i], vc, dtype, idx[i], hd);
+    for (int d = 0; d < hd; d++) os[g][d] = dtype == DT_BF16 ? round_bf16(acc[d] * inv[g]) : acc[d] * inv[g];
+  }
+}
+
 // Attention of query rows [T, heads * hd], each over its own sequence's cache (mtp_batch): row t of sequence
 // s (local index u0) sees every entry below pos[s] and entry pos[s] + u where visible[s][u0 * T_s + u] (NULL:
-// u <= u0). Each (row, head) is one task: its keys in cache order, its softmax and its weighted sum in a fixed
-// order; the result rounded to the dtype.
+// u <= u0). A task is one row and up to 3 heads of one KV head (each key and value widened once for them); each
+// head has its keys in cache order, its softmax and its weighted sum in a fixed order, so its bits do not
+// depend on the grouping; the result rounded to the dtype.
 TGT2 static void attention(const mtp_model* M, int T, const float* q, int64_t ldq, const mtp_batch* B, int layer,
                            const int* row_seq, float* out, int64_t ldout, int nt) {
-  const int H = M->heads, hd = M->head_dim, groups = M->heads / M->kv_heads, dtype = M->dtype;
+  constexpr int GMAX = 3;  // heads per task: 3 x 4 accumulators + a key fill 16 ymm registers
+  const int hd = M->head_dim, groups = M->heads / M->kv_heads;
+  const int chunks = (groups + GMAX - 1) / GMAX, per_kv = chunks * M->kv_heads;
   int64_t L = 0;
   for (int s = 0; s < B->nseq; s++) {
     const int64_t ls = B->pos[s] + B->row0[s + 1] - B->row0[s];
     L = ls > L ? ls : L;
   }
-  const int tasks = T * H;
+  const int tasks = T * per_kv;
   parallel(nt, [&](int tid, int n_threads) {
-    static thread_local Scratch s_sc, s_acc, s_idx;
-    float* sc = s_sc.get(L + 8);
-    float* acc = s_acc.get(hd + 8);
+    static thread_local Scratch s_sc, s_idx;
+    const int64_t ldsc = L + 8;
+    float* sc = s_sc.get(GMAX * ldsc);
     int64_t* idx = (int64_t*)s_idx.get(2 * (L + 1));
     const int per = tasks / n_threads, extra = tasks % n_threads;  // static schedule: contiguous tasks
     const int task0 = tid * per + (tid < extra ? tid : extra), task1 = task0 + per + (tid < extra ? 1 : 0);
     for (int task = task0; task < task1; task++) {
-      const int t = task / H, h = task % H, g = h / groups, sq = row_seq[t];
+      const int t = task / per_kv, kvh = (task % per_kv) / chunks, c = task % chunks, sq = row_seq[t];
+      const int h0 = kvh * groups + c * GMAX, G = (groups - c * GMAX) < GMAX ? groups - c * GMAX : GMAX;
       const int r0 = B->row0[sq], Ts = B->row0[sq + 1] - r0, t0 = t - r0;
       const int64_t pos = B->pos[sq], cap = B->cap[sq];
       const uint8_t* visible = B->visible[sq];
       const void* kc = B->kcache[(int64_t)sq * M->layers + layer];
       const void* vc = B->vcache[(int64_t)sq * M->layers + layer];
-      const float* qt = q + t * ldq + h * hd;
       int64_t n = 0;
       for (int64_t j = 0; j < pos; j++) idx[n++] = j;
       for (int u = 0; u < Ts; u++)
         if (visible ? visible[t0 * Ts + u] : (u <= t0)) idx[n++] = pos + u;
-      const int64_t kbase = (int64_t)g * cap * hd;
+      const int64_t kbase = (int64_t)kvh * cap * hd;
       for (int64_t i = 0; i < n; i++) idx[i] = kbase + idx[i] * hd;  // element offsets of the keys / values
-      int64_t i8 = 0;
-      if (hd % 8 == 0)
-        for (; i8 + 8 <= n; i8 += 8) dot_kv8(qt, kc, dtype, idx + i8, hd, sc + i8);
-      for (int64_t i = i8; i < n; i++) sc[i] = dot_kv(qt, kc, dtype, idx[i], hd);
-      for (int64_t i = 0; i < n; i++) sc[i] *= M->scaling;
-      float m = -INFINITY;
-      for (int64_t i = 0; i < n; i++) m = sc[i] > m ? sc[i] : m;
-      for (int64_t i = 0; i < n; i++) sc[i] -= m;
-      exp_inplace(sc, n);
-      const float inv = 1.0f / sum_lanes(sc, n);
-      float* o = out + t * ldout + h * hd;
-      if (hd % 64 == 0) {
-        weighted_values(sc, n, vc, dtype, idx, hd, inv, o);
-        continue;
-      }
-      for (int d = 0; d < hd; d++) acc[d] = 0.f;
-      for (int64_t i = 0; i < n; i++) axpy_kv(acc, sc[i], vc, dtype, idx[i], hd);
-      for (int d = 0; d < hd; d++) o[d] = dtype == DT_BF16 ? round_bf16(acc[d] * inv) : acc[d] * inv;
+      const float* qt = q + t * ldq + h0 * hd;
+      float* o = out + t * ldout + h0 * hd;
+      if (G == 3) attend_heads<3>(M, qt, kc, vc, idx, n, ldsc, sc, o);
+      else if (G == 2) attend_heads<2>(M, qt, kc, vc, idx, n, ldsc, sc, o);
+      else attend_heads<1>(M, qt, kc, vc, idx, n, ldsc, sc, o);
     }
   });
 }
