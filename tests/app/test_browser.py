@@ -179,10 +179,11 @@ def test_one_run_per_session_and_stop_and_clear_end_cleanly(page, served):
     set_number(page, "max-new-tokens", 6)
     page.fill("#message textarea", "What is 2 plus 3?")
     page.press("#message textarea", "Enter")
-    notice = page.locator("#notice .mtp-notice")
-    notice.wait_for(state="visible", timeout=30_000)
-    assert "waits for the answer in progress (turn 1)" in notice.inner_text()
-    page.wait_for_function("() => document.querySelector('#message textarea').value === ''", timeout=30_000)
+    _waited(page, "the notice that the message waits", "() => !!document.querySelector('#notice .mtp-notice')",
+            None, TIMEOUT_MS)
+    assert "waits for the answer in progress (turn 1)" in page.inner_text("#notice .mtp-notice")
+    _waited(page, "the message box emptied", "() => document.querySelector('#message textarea').value === ''", None,
+            TIMEOUT_MS)
     assert page.locator(".toast-body").count() == 0 and stop_is_on_top(page)  # no toast covers the controls
     page.fill("#message textarea", "And 4 plus 4?")  # typed while it waits: never replaced
     assert "Turn 2" not in page.inner_text("#status") and questions(page, "chat-standard")[-1].startswith("Write")
