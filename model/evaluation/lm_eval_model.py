@@ -8,8 +8,9 @@ From Python: ``import model.evaluation.lm_eval_model`` and then ``lm_eval.simple
 model_args=..., ...)`` or pass an :class:`MTPLM` instance. The plain ``lm_eval`` executable does
 not know ``mtp``.
 
-Model arguments (``--model_args``): :data:`MODEL_ARGS_HELP`. Effective k is logged after every ``generate_until`` call, kept in
-:attr:`MTPLM.stats`, and printed on stderr by this CLI wrapper at the end of the run.
+Model arguments (``--model_args``): :data:`MODEL_ARGS_HELP`. Effective k is logged after every
+``generate_until`` call, kept in :attr:`MTPLM.stats`, and printed on stderr by this CLI wrapper at the end of
+the run.
 
 ``loglikelihood`` and ``loglikelihood_rolling`` score with the base model (adapter off): one
 token per forward pass is what next-token log-likelihoods mean, so MTP does not apply.
