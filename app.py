@@ -7,8 +7,10 @@ when unset), ``MTP_APP_*`` limits (see ``app/requests.py``, ``app/page.py`` and 
 
 from __future__ import annotations
 
-import os  # noqa: I001  the OpenMP policy must be set before anything loads torch (see model/__init__.py)
+import os  # noqa: I001  the OpenMP policy must be set before anything loads torch (docs/DESIGN.md 4a, threads)
 
+# A server: request threads run torch work (scoring, tokenizing) beside the pass thread, and idle OpenMP threads
+# that spin after it would hold the cores our kernels' pool needs. Passive waiting keeps them asleep.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import spaces  # noqa: E402,F401  first: on a ZeroGPU Space it must come before anything that touches CUDA
 

@@ -14,14 +14,6 @@ The command-line tools are ``python -m model.generate`` (engine), ``model.train`
 """
 
 import logging as _logging
-import os as _os
-
-# Our kernels run their own thread pool beside torch's OpenMP team. By default an OpenMP worker spins for a while
-# after each parallel torch op (a softmax over the vocabulary, a dtype conversion of the logits), and on a machine
-# with as many threads as cores it took the core our pool's worker needed: SmolLM2 bf16 at 2 threads on 2 cores
-# decoded 60 tokens/s with spinning, 128 with passive waiting (94 at one thread). Set before torch loads libgomp
-# (an explicit OMP_WAIT_POLICY wins; a program that imported torch first keeps its policy).
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # bitsandbytes (imported by transformers/peft) warns at import about optional CPU kernels we do not use.
 _logging.getLogger("bitsandbytes").setLevel(_logging.ERROR)

@@ -125,16 +125,17 @@ class BatchRunner:
         if not chosen:
             self.decoders = [d for d in self.decoders if not d.done]
             return result
-        inputs = [d.pass_input(layout) for d, layout in chosen]
-        sync(self.lm.device)
-        t0 = time.perf_counter()
-        outs = self.lm.forward_batch(inputs)
-        for (d, layout), logits in zip(chosen, outs):
-            try:
-                result.records[d] = d.finish_pass(layout, logits, t0)
-            except NonFiniteLogitsError as e:
-                d.done = True
-                result.errors[d] = self.errors[d] = e
+        with self.lm.engine_step(chosen[0][0].cache):
+            inputs = [d.pass_input(layout) for d, layout in chosen]
+            sync(self.lm.device)
+            t0 = time.perf_counter()
+            outs = self.lm.forward_batch(inputs)
+            for (d, layout), logits in zip(chosen, outs):
+                try:
+                    result.records[d] = d.finish_pass(layout, logits, t0)
+                except NonFiniteLogitsError as e:
+                    d.done = True
+                    result.errors[d] = self.errors[d] = e
         result.rows = sum(len(layout.tokens) for _, layout in chosen)
         result.seconds = time.perf_counter() - t0
         emitted = sum(len(r.kept) for r in result.records.values())

@@ -164,11 +164,12 @@ class Decoder:
         if n <= 0:
             return 0
         lm, chunk = self.lm, self.pending[:n]
-        sync(lm.device)
-        t0 = time.perf_counter()
-        lm.forward(torch.tensor([chunk], dtype=torch.long, device=lm.device), self.cache, num_masks=0,
-                   logits_to_keep=1)
-        sync(lm.device)
+        with lm.engine_step(self.cache):
+            sync(lm.device)
+            t0 = time.perf_counter()
+            lm.forward(torch.tensor([chunk], dtype=torch.long, device=lm.device), self.cache, num_masks=0,
+                       logits_to_keep=1)
+            sync(lm.device)
         self._prefill_seconds += time.perf_counter() - t0
         self._prefilled += n
         self.cached_ids.extend(chunk)
@@ -190,11 +191,12 @@ class Decoder:
         if self.done:
             raise StopIteration
         lm = self.lm
-        layout = self.next_layout()
-        sync(lm.device)
-        t0 = time.perf_counter()
-        logits = lm.forward_batch([self.pass_input(layout)])[0]
-        return self.finish_pass(layout, logits, t0)
+        with lm.engine_step(self.cache):
+            layout = self.next_layout()
+            sync(lm.device)
+            t0 = time.perf_counter()
+            logits = lm.forward_batch([self.pass_input(layout)])[0]
+            return self.finish_pass(layout, logits, t0)
 
     def pass_input(self, layout: PassLayout) -> Any:
         """This sequence's :class:`~model.engine.backend.PassInput` for ``layout`` (its KV cache): what

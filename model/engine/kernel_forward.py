@@ -34,6 +34,7 @@ from .fast_forward import RotaryTable
 from .backend import PassInput
 from .kv_cache import INITIAL_CAPACITY, KVCache
 from .model_reader import LayerRead, ModelRead, Projection, read_model
+from .threads import kernel_threads, serial_torch
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -241,6 +242,11 @@ class KernelForward:
         """
         if not inputs:
             raise ValueError("forward_batch needs at least one sequence")
+        with serial_torch():  # torch's few ops here on this thread; our pool gets the threads (model.engine.threads)
+            return self._forward_batch(inputs, kernel_threads())
+
+    def _forward_batch(self, inputs: Sequence[PassInput], threads: int) -> list[torch.Tensor]:
+        """:meth:`forward_batch` on ``threads`` threads of our pool."""
         xs, coss, sins, adapter, keep, kept, vis_bufs, caches = [], [], [], [], [], [], [], []
         row0, poss, caps = [0], [], []
         for p in inputs:
@@ -284,7 +290,7 @@ class KernelForward:
                     ctypes.addressof(ad_a) if any(adapter) else None, ctypes.addressof(keep_a), len(keep))
         logits = torch.empty(len(keep), self.vocab, dtype=torch.float32)
         rc = self.lib.mtp_forward_batch(ctypes.byref(self.m), x.data_ptr(), row0[-1], ctypes.byref(b), cos.data_ptr(),
-                                        sin.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+                                        sin.data_ptr(), logits.data_ptr(), threads)
         if rc != 0:
             raise RuntimeError(f"our kernels refused this batched pass (code {rc})")
         out, start = [], 0
