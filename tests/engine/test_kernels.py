@@ -232,17 +232,22 @@ def test_attention_for_every_head_grouping(base_tokenizer, monkeypatch, one_torc
     """Attention runs up to 3 query heads of one KV head together (each cached key and value widened once for
     them): 8 heads on one KV head (3 + 3 + 2), 3 per KV head, 1; head sizes that take the 32-lane weighted sum,
     the 8-lane scores with the scalar weighted sum, and the scalar scores. Rows stay exact at every width and in a
-    tree (bf16), and float32 logits stay within 1e-4 of transformers'."""
+    tree (bf16) on one and two threads, and float32 logits stay within 1e-4 of transformers'."""
     from transformers import DynamicCache
 
     shape = dict(hidden_size=96, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
     lm = on_kernels(_tiny(base_tokenizer, dtype=torch.bfloat16, adapter="alora", **shape), isa, monkeypatch)
     ids, m = lm.prompt_ids(PROMPT), lm.mask_token_id
-    for t in (2, 5, 8):
-        got = row_exactness(lm, ids, [101] + [m] * (t - 1), num_masks=t - 1)
-        assert got.exact, (t, got)
-    got = row_exactness(lm, ids, [101] + [m] * 5, num_masks=5, positions=TREE_POS, visible=TREE_VIS)
-    assert got.exact, got
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for t in (2, 5, 8):
+                got = row_exactness(lm, ids, [101] + [m] * (t - 1), num_masks=t - 1)
+                assert got.exact, (threads, t, got)
+            got = row_exactness(lm, ids, [101] + [m] * 5, num_masks=5, positions=TREE_POS, visible=TREE_VIS)
+            assert got.exact, (threads, got)
+    finally:
+        torch.set_num_threads(1)
     lm = on_kernels(_tiny(base_tokenizer, dtype=torch.float32, adapter="alora", **shape), isa, monkeypatch)
     x = torch.tensor([ids + [m] * 3])
     with torch.no_grad():
