@@ -4,8 +4,9 @@
     python -m model.heldout --answers runs/self_answers/test200.jsonl --models assets/smollm2-135m-mtp runs/a/final \\
         --agreement 100 --decode 20 --max-new-tokens 128 --taus 0.9,0.7 --k-max 4 --threads 1 --out runs/heldout.json
 
-The agreement set (cheap, no decoding: teacher agreement at every mask position and the tokens
-ConfAdapt would keep per block, with standard errors clustered by answer) and real ConfAdapt decoding
+The agreement set (cheap, no decoding: teacher agreement at every mask position, the tokens
+ConfAdapt would keep per block, with standard errors clustered by answer, and how well each position's
+confidence is calibrated: the table it prints) and real ConfAdapt decoding
 are described in :mod:`model.training.heldout`.
 
 ``--models`` takes adapter directories (or exports of ``model.train --export-every``), or ``base``
@@ -25,7 +26,7 @@ import torch
 
 from .errors import CheckpointError, DataError
 from .training.data import Example, encode, load_examples
-from .training.heldout import decode_effective_k, load_model, score_agreement, setup_for
+from .training.heldout import decode_effective_k, format_calibration, load_model, score_agreement, setup_for
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,6 +92,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{spec}: agreement {a.get('agreement', float('nan')):.3f} ± {a.get('agreement_se_cluster') or float('nan'):.3f} "
                   f"match {a.get('match', float('nan')):.3f} sim_k {a.get('sim_k')} "
                   f"decode k {({t: round(v['effective_k'], 3) for t, v in d.items()})}", file=sys.stderr)
+            if a.get("calibration"):
+                print(f"{spec}: how often each block position's proposal is the answer's token, by its confidence "
+                      f"(match rate/positions):\n{format_calibration(a['calibration'])}", file=sys.stderr)
     except (DataError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -14,7 +14,11 @@ Two measurements, both on prompts the adapter never trained on:
   student's confidence. Per block: the tokens ConfAdapt would keep at each ``tau`` if decoding
   stood at that anchor (``sim_k``: 1 + the leading masks with confidence >= tau), and how many of
   those are also right (``sim_k_right``). Standard errors: binomial over positions, and clustered
-  by sequence (positions within one answer are correlated; the honest one to rank by).
+  by sequence (positions within one answer are correlated; the honest one to rank by). And the
+  **calibration** of each block position's confidence (``calibration``, :func:`format_calibration`):
+  how often its proposal is the answer's token, by confidence bucket, with position 0 (the real row:
+  the base model's own next token) beside the masks. ConfAdapt trusts that confidence, so this says
+  what tau means for a checkpoint, and how often each position reaches it.
 * **decoding** (``--decode N``): ConfAdapt decoding (``--taus``, ``--k-max``) of the first N
   prompts for ``--max-new-tokens``: effective k (tokens per forward pass, pooled) and the share of
   answers identical to the base model's greedy answer in the file.
@@ -25,6 +29,7 @@ for the untrained mask token. Results go to ``--out`` (JSON, rewritten after eac
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from typing import Any, Sequence
@@ -37,6 +42,10 @@ from ..engine.loading import DEFAULT_SOURCE, load_checkpoint
 from ..engine.strategies import confadapt
 from .layout import place_regions
 from .objective import Setup, batch_objective
+
+
+#: Confidence buckets of the calibration table: [0, 0.3), [0.3, 0.5), ..., [0.99, 1].
+CALIBRATION_EDGES = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 
 
 def setup_for(lm: LoadedModel) -> Setup:
@@ -83,6 +92,9 @@ def score_agreement(setup: Setup, model: Any, seqs: Sequence[Sequence[int]], sta
     eos = int(lm.stop_token_ids[0]) if lm.stop_token_ids else -1
     rows: list[dict] = []  # per sequence sums
     by_block = {j: [0, 0, 0] for j in range(1, k)}  # agree, match, n
+    nb = len(CALIBRATION_EDGES) - 1
+    calib = [[[0, 0] for _ in range(nb)] for _ in range(k)]  # [block position][bucket] -> [positions, matches]
+    confident = {t: [[0, 0] for _ in range(k)] for t in taus}  # [block position] -> [conf >= t, of them matches]
     was_training = model.training
     model.eval()
     for i in range(0, len(seqs), batch_size):
@@ -103,6 +115,15 @@ def score_agreement(setup: Setup, model: Any, seqs: Sequence[Sequence[int]], sta
                   (reg.eos is None or reg.anchor + 1 + j <= reg.eos) else eos for j in range(k)]
             row = per[reg.batch]
             row["blocks"] += 1
+            for j in range(k):
+                right = int(tok[j] == gt[j])
+                cell = calib[j][min(bisect.bisect_right(CALIBRATION_EDGES, cf[j]) - 1, nb - 1)]
+                cell[0] += 1
+                cell[1] += right
+                for t in taus:
+                    if cf[j] >= t:
+                        confident[t][j][0] += 1
+                        confident[t][j][1] += right
             for j in range(1, k):
                 a, m = float(tok[j] == lab[j]), float(tok[j] == gt[j])
                 row["agree"] += a
@@ -141,9 +162,39 @@ def score_agreement(setup: Setup, model: Any, seqs: Sequence[Sequence[int]], sta
     res["sim_k_right"] = {str(t): sum(r[f"right{t}"] for r in rows) / max(blocks, 1) for t in taus}
     res["by_block"] = {str(j): {"agreement": v[0] / max(v[2], 1), "match": v[1] / max(v[2], 1)}
                        for j, v in by_block.items()}
+    res["calibration"] = {
+        "edges": list(CALIBRATION_EDGES),
+        "by_position": {str(j): {"positions": [c[0] for c in calib[j]], "match": [c[1] / c[0] if c[0] else None
+                                                                                   for c in calib[j]]}
+                        for j in range(k)},
+        "confident": {str(t): {str(j): {"share": c[0] / max(blocks, 1), "match": c[1] / c[0] if c[0] else None}
+                               for j, c in enumerate(confident[t])} for t in taus},
+    }
     # per sequence sums, for paired comparisons of two models on the same set
     res["per_sequence"] = [[r["agree"], r["match"], r["n"], r["blocks"], *[r[f"sim{t}"] for t in taus]] for r in rows]
     return res
+
+
+def format_calibration(cal: dict) -> str:
+    """A text table of :func:`score_agreement`'s ``calibration``: one line per block position (0: the real row,
+    the base model's own next token; 1..k-1: the masks), each bucket as ``match rate/positions``, then per tau the
+    share of blocks whose position reaches it and how often those proposals are right."""
+
+    def rate(m: float | None) -> str:
+        return "-" if m is None else f"{m:.2f}"
+
+    def name(j: str) -> str:
+        return "real" if j == "0" else f"mask {j}"
+
+    edges = cal["edges"]
+    lines = ["position  " + "  ".join(f"[{a:.2f},{b:.2f})".rjust(11) for a, b in zip(edges, edges[1:]))]
+    for j, row in cal["by_position"].items():
+        cells = [f"{rate(m)}/{n}".rjust(11) for m, n in zip(row["match"], row["positions"])]
+        lines.append(f"{name(j):<9} " + "  ".join(cells))
+    for t, by in cal["confident"].items():
+        parts = [f"{name(j)} {v['share']:.2f} ({rate(v['match'])})" for j, v in by.items()]
+        lines.append(f"confidence >= {t}: share of blocks (right when so): " + ", ".join(parts))
+    return "\n".join(lines)
 
 
 @torch.no_grad()

@@ -11,7 +11,7 @@ import torch
 
 from model.engine.loading import load_checkpoint
 from model.heldout import main
-from model.training.heldout import decode_effective_k, score_agreement, setup_for
+from model.training.heldout import decode_effective_k, format_calibration, score_agreement, setup_for
 from model.training.self_answers import as_examples, write_answers
 from model.training.config import TrainConfig
 from model.training.checkpoints import export_model
@@ -60,6 +60,29 @@ def test_agreement_set_counts_and_bounds(tiny_alora):
     assert set(res["by_block"]) == {"1", "2", "3"} and res["agreement_se_cluster"] is not None
     again = score_agreement(setup_for(lm), lm.model, seqs, starts, k=4, spacing=2, taus=(0.0, 0.5, 1.01), batch_size=5)
     assert again["agreement"] == pytest.approx(res["agreement"]) and again["positions"] == res["positions"]
+    assert again["calibration"] == res["calibration"]
+
+
+def test_calibration_table_counts_every_block_position(tiny_alora):
+    setup, _, examples = tiny_alora
+    lm = setup.lm
+    seqs, starts, _ = encode(lm, examples, 64)
+    res = score_agreement(setup_for(lm), lm.model, seqs, starts, k=4, spacing=2, taus=(0.0, 0.5, 1.01), batch_size=2)
+    cal, blocks = res["calibration"], res["blocks"]
+    assert cal["edges"][0] == 0.0 and cal["edges"][-1] == 1.0 and set(cal["by_position"]) == {"0", "1", "2", "3"}
+    for j, row in cal["by_position"].items():
+        assert sum(row["positions"]) == blocks  # every block's position j lands in one bucket
+        assert all(m is None or 0.0 <= m <= 1.0 for m in row["match"])
+    # the masks' matches add up to the agreement set's match rate
+    masks = sum(m * n for j, row in cal["by_position"].items() if j != "0"
+                for m, n in zip(row["match"], row["positions"]) if m is not None)
+    assert masks == pytest.approx(res["match"] * res["positions"])
+    conf = cal["confident"]
+    assert all(v["share"] == 1.0 for v in conf["0.0"].values())  # every confidence >= 0
+    assert all(v["share"] == 0.0 and v["match"] is None for v in conf["1.01"].values())
+    assert conf["0.0"]["1"]["match"] == pytest.approx(res["by_block"]["1"]["match"])
+    text = format_calibration(cal)
+    assert text.splitlines()[1].startswith("real") and "mask 3" in text and "confidence >= 0.5" in text
 
 
 def test_decode_effective_k_extremes_and_cli(tiny_alora, tmp_path):
