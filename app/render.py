@@ -320,9 +320,9 @@ def model_html(lm: LoadedModel, quantization: str = "none") -> str:
 
 #: One line per strategy of the right pane (the page shows the chosen one).
 STRATEGY_HELP = {
-    "ConfAdapt": ("<b>ConfAdapt</b>: each forward pass proposes up to k_max tokens; it keeps the first proposal "
-                  "(the model's ordinary next token) always, then the following ones while their confidence is at "
-                  "least tau."),
+    "ConfAdapt": ("<b>ConfAdapt</b>: each forward pass proposes up to k_max tokens; it keeps the leading run whose "
+                  "confidence is at least tau, counted from the first proposal (the model's ordinary next token), "
+                  "which it keeps always: when the model is unsure of its next token, the pass keeps that one only."),
     "static k": "<b>static k</b>: each forward pass keeps exactly its first k proposals, whatever their confidence.",
     "lossless": ("<b>lossless</b> (self-speculative verification): each pass feeds the previous pass's mask "
                  "proposals as drafts, keeps the drafts equal to the model's own greedy choice, plus its next token. "

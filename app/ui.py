@@ -118,9 +118,9 @@ def header_html() -> str:
         '<div class="mtp-header"><h1>MTP Lens: multi-token prediction, side by side</h1>'
         "<p><b>MTP</b> lets an ordinary language model propose a block of up to k_max tokens in one forward pass "
         "by appending mask tokens (<a href=\"" + PAPER_URL + "\" target=\"_blank\" rel=\"noopener\">Kirchenbauer "
-        "et al., <i>Multi-Token Prediction via Self-Distillation</i></a>). <b>ConfAdapt</b> always keeps the first "
-        "proposal (the model's ordinary next token) and then the following ones while their confidence is at least "
-        "tau; <b>lossless</b> verification keeps only proposals the model itself confirms, so its answer equals "
+        "et al., <i>Multi-Token Prediction via Self-Distillation</i></a>). <b>ConfAdapt</b> keeps the leading run of "
+        "proposals whose confidence is at least tau, counted from the first (the model's ordinary next token), which "
+        "it always keeps; <b>lossless</b> verification keeps only proposals the model itself confirms, so its answer equals "
         "standard decoding's (to the bit on our CPU kernels, in bf16 as in float32).</p><p class=\"mtp-wide\">Each message is answered twice: standard decoding on the left, "
         "MTP on the right, their forward passes alternating so that each side is timed on its own (a pass may also "
         "carry other visitors' rows, computed exactly as alone).</p></div>")

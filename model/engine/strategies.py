@@ -186,17 +186,20 @@ class StaticK(Strategy):
 
 @dataclass(frozen=True)
 class ConfAdapt(Strategy):
-    """ConfAdapt (paper 4.5): keep the longest leading run of proposals with confidence ≥ tau; the
-    first proposal is always kept, whatever its confidence."""
+    """ConfAdapt (paper 4.5): keep the longest leading run of proposals with confidence ≥ tau, counted from the
+    first proposal (the model's next token), and at least that one. A first proposal under tau keeps the pass to
+    one token however sure the masks are: they guessed past a token the model itself was unsure of (the paper's
+    "greatest k' such that every position up to k' clears tau", as the authors' SGLang code applies it)."""
 
     name: ClassVar[str] = "confadapt"
     tau: float = DEFAULT_TAU  # type: ignore[assignment]
     k_max: int = DEFAULT_K_MAX
 
     def accept(self, confidences: Sequence[float]) -> tuple[int, str]:  # noqa: D102
-        n = 1
+        n = 0
         while n < len(confidences) and confidences[n] >= self.tau:
             n += 1
+        n = max(n, 1)
         return n, ("k_max" if n == len(confidences) else "below tau")
 
     @property

@@ -12,7 +12,8 @@ Two measurements, both on prompts the adapter never trained on:
   (the student's token equals the teacher's argmax given the student's own earlier block tokens,
   as in training), ``match`` (it equals the base model's greedy token, i.e. the answer text) and the
   student's confidence. Per block: the tokens ConfAdapt would keep at each ``tau`` if decoding
-  stood at that anchor (``sim_k``: 1 + the leading masks with confidence >= tau), and how many of
+  stood at that anchor (``sim_k``: the leading run of the block's confidences >= tau, the first
+  position's included, at least 1: :meth:`~model.engine.strategies.ConfAdapt.accept`), and how many of
   those are also right (``sim_k_right``). Standard errors: binomial over positions, and clustered
   by sequence (positions within one answer are correlated; the honest one to rank by). And the
   **calibration** of each block position's confidence (``calibration``, :func:`format_calibration`):
@@ -39,7 +40,7 @@ import torch
 from ..engine.decoding import run
 from ..engine.loaded_model import LoadedModel
 from ..engine.loading import DEFAULT_SOURCE, load_checkpoint
-from ..engine.strategies import confadapt
+from ..engine.strategies import ConfAdapt, confadapt
 from .layout import place_regions
 from .objective import Setup, batch_objective
 
@@ -134,12 +135,9 @@ def score_agreement(setup: Setup, model: Any, seqs: Sequence[Sequence[int]], sta
                 by_block[j][1] += m
                 by_block[j][2] += 1
             for t in taus:
-                n_keep = right = 1
-                ok = tok[0] == gt[0]
-                for j in range(1, k):
-                    if cf[j] < t:
-                        break
-                    n_keep += 1
+                n_keep = ConfAdapt(tau=t, k_max=k).accept(cf)[0]  # decoding's own rule (paper 4.5)
+                right, ok = 1, tok[0] == gt[0]
+                for j in range(1, n_keep):
                     ok = ok and tok[j] == gt[j]
                     right += int(ok)
                 row[f"sim{t}"] += n_keep

@@ -53,3 +53,15 @@ def test_parse_strategies_and_prompt():
         parse_strategies(" , ")
     assert make_prompt(" Q? ") == "Q?"
     assert make_prompt("Q?", step_by_step=True) == f"Q?\n{STEP_BY_STEP}"
+
+
+def test_confadapt_run_starts_at_the_first_proposal():
+    """Paper 4.5 (and the authors' SGLang code): the leading run with confidence >= tau counts from the first
+    proposal, and at least that one is kept."""
+    ca = confadapt(0.9, 4)
+    assert ca.accept([0.95, 0.99, 0.97, 0.5]) == (3, "below tau")
+    assert ca.accept([0.95, 0.99, 0.97, 0.9]) == (4, "k_max")
+    assert ca.accept([0.8, 0.99, 0.99, 0.99]) == (1, "below tau")  # unsure of the next token: one token
+    assert ca.accept([0.95, 0.5, 0.99, 0.99]) == (1, "below tau")
+    assert ca.accept([0.1]) == (1, "k_max")
+    assert confadapt(0.0, 4).accept([0.0, 0.0, 0.0, 0.0]) == (4, "k_max")
