@@ -93,9 +93,7 @@ def score_agreement(setup: Setup, model: Any, seqs: Sequence[Sequence[int]], sta
     eos = int(lm.stop_token_ids[0]) if lm.stop_token_ids else -1
     rows: list[dict] = []  # per sequence sums
     by_block = {j: [0, 0, 0] for j in range(1, k)}  # agree, match, n
-    nb = len(CALIBRATION_EDGES) - 1
-    calib = [[[0, 0] for _ in range(nb)] for _ in range(k)]  # [block position][bucket] -> [positions, matches]
-    confident = {t: [[0, 0] for _ in range(k)] for t in taus}  # [block position] -> [conf >= t, of them matches]
+    calib = _Calibration(k, taus)
     was_training = model.training
     model.eval()
     for i in range(0, len(seqs), batch_size):
@@ -116,15 +114,7 @@ def score_agreement(setup: Setup, model: Any, seqs: Sequence[Sequence[int]], sta
                   (reg.eos is None or reg.anchor + 1 + j <= reg.eos) else eos for j in range(k)]
             row = per[reg.batch]
             row["blocks"] += 1
-            for j in range(k):
-                right = int(tok[j] == gt[j])
-                cell = calib[j][min(bisect.bisect_right(CALIBRATION_EDGES, cf[j]) - 1, nb - 1)]
-                cell[0] += 1
-                cell[1] += right
-                for t in taus:
-                    if cf[j] >= t:
-                        confident[t][j][0] += 1
-                        confident[t][j][1] += right
+            calib.add(tok, gt, cf)
             for j in range(1, k):
                 a, m = float(tok[j] == lab[j]), float(tok[j] == gt[j])
                 row["agree"] += a
@@ -160,17 +150,47 @@ def score_agreement(setup: Setup, model: Any, seqs: Sequence[Sequence[int]], sta
     res["sim_k_right"] = {str(t): sum(r[f"right{t}"] for r in rows) / max(blocks, 1) for t in taus}
     res["by_block"] = {str(j): {"agreement": v[0] / max(v[2], 1), "match": v[1] / max(v[2], 1)}
                        for j, v in by_block.items()}
-    res["calibration"] = {
-        "edges": list(CALIBRATION_EDGES),
-        "by_position": {str(j): {"positions": [c[0] for c in calib[j]], "match": [c[1] / c[0] if c[0] else None
-                                                                                   for c in calib[j]]}
-                        for j in range(k)},
-        "confident": {str(t): {str(j): {"share": c[0] / max(blocks, 1), "match": c[1] / c[0] if c[0] else None}
-                               for j, c in enumerate(confident[t])} for t in taus},
-    }
+    res["calibration"] = calib.to_dict(blocks)
     # per sequence sums, for paired comparisons of two models on the same set
     res["per_sequence"] = [[r["agree"], r["match"], r["n"], r["blocks"], *[r[f"sim{t}"] for t in taus]] for r in rows]
     return res
+
+
+class _Calibration:
+    """Counts for :func:`score_agreement`'s ``calibration``: per block position (0 = the real row), positions
+    and matches with the answer's token by confidence bucket (:data:`CALIBRATION_EDGES`), and per tau how many
+    blocks' position reaches it and how many of those match."""
+
+    def __init__(self, k: int, taus: Sequence[float]):
+        self.k, self.taus, self.nb = k, list(taus), len(CALIBRATION_EDGES) - 1
+        self.cells = [[[0, 0] for _ in range(self.nb)] for _ in range(k)]  # [position][bucket] -> [n, matches]
+        self.confident = {t: [[0, 0] for _ in range(k)] for t in self.taus}  # [position] -> [conf >= t, matches]
+
+    def add(self, tokens: Sequence[int], answer: Sequence[int], conf: Sequence[float]) -> None:
+        """One block: the student's ``k`` tokens, the answer's, the student's confidences."""
+        for j in range(self.k):
+            right = int(tokens[j] == answer[j])
+            cell = self.cells[j][min(bisect.bisect_right(CALIBRATION_EDGES, conf[j]) - 1, self.nb - 1)]
+            cell[0] += 1
+            cell[1] += right
+            for t in self.taus:
+                if conf[j] >= t:
+                    self.confident[t][j][0] += 1
+                    self.confident[t][j][1] += right
+
+    def to_dict(self, blocks: int) -> dict:
+        """``{"edges", "by_position": {j: {"positions", "match"}}, "confident": {tau: {j: {"share", "match"}}}}``
+        (a rate is None where nothing was counted)."""
+        def rate(c: list[int]) -> float | None:
+            return c[1] / c[0] if c[0] else None
+
+        return {
+            "edges": list(CALIBRATION_EDGES),
+            "by_position": {str(j): {"positions": [c[0] for c in row], "match": [rate(c) for c in row]}
+                            for j, row in enumerate(self.cells)},
+            "confident": {str(t): {str(j): {"share": c[0] / max(blocks, 1), "match": rate(c)}
+                                   for j, c in enumerate(by)} for t, by in self.confident.items()},
+        }
 
 
 def format_calibration(cal: dict) -> str:
