@@ -31,7 +31,10 @@ from .training.heldout import decode_effective_k, format_calibration, load_model
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
-    p = argparse.ArgumentParser(prog="python -m model.heldout", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m model.heldout",
+        description=__doc__.split("\n\n")[0] + " Prints teacher agreement, the tokens ConfAdapt would keep per block, "
+        "and how well each block position's confidence is calibrated (match rate by confidence bucket).")
     a = p.add_argument
     a("--answers", required=True, help="JSONL of prompt/response rows: the base model's own answers (model.self_answers)")
     a("--models", nargs="+", required=True, help="adapter or model directories; 'base' = untrained mask token")
@@ -40,11 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seq-len", type=int, default=288, help="prompt + answer tokens per agreement sequence")
     a("--k", type=int, default=4, help="block size of the agreement set")
     a("--spacing", type=int, default=4, help="anchor every SPACING answer tokens")
-    a("--taus", default="0.9,0.7")
+    a("--taus", default="0.9,0.7", help="comma-separated ConfAdapt thresholds to simulate and decode at")
     a("--k-max", type=int, default=4, help="k_max of the decoding")
     a("--max-new-tokens", type=int, default=128)
     a("--dtype", default="auto", help="model dtype (auto: the engine's default)")
-    a("--threads", type=int, default=None)
+    a("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     a("--out", required=True, help="JSON file (rewritten after each model)")
     return p
 
