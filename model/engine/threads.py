@@ -7,8 +7,8 @@ threads spin after every parallel region before they sleep (libgomp's default: a
 milliseconds). A decoding step calls a few torch ops on the pass's logits (the bf16 rounding, the proposals'
 softmax and maximum: 49,152 columns each, enough for torch to split them across threads); each left an OpenMP
 thread spinning on the core our pool's worker needed for the next pass. Measured on a 2-core AMD EPYC (Zen 4),
-SmolLM2-135M bf16, one-token passes: 12.7 ms with two threads against 8.4 ms with one; with torch's ops serial
-6.8-7.7 ms (``model.bench`` at two threads: standard decoding 65 -> 128 tokens/s).
+SmolLM2-135M bf16, torch at two threads: one-token passes 10.5-13.3 ms (8.4-9.1 ms at one thread); with torch's
+ops serial 5.6-6.8 ms; standard decoding 83 -> 127-130 tokens/s.
 
 So an engine step on our kernels (:meth:`~model.engine.loaded_model.LoadedModel.engine_step`: a forward pass and
 the acceptance of its proposals) runs inside :func:`serial_torch`: torch's ops there stay on the calling thread (they
