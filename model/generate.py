@@ -100,11 +100,12 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         res = dec.result()
         results.append(res)
+        path = lm.forward_path if lm.dtype_name in lm.forward_path else f"{lm.dtype_name}; {lm.forward_path}"
         if not args.json:
             print()
             print(f"[{strategy.label}, {sampling.label}] {res.new_tokens} tokens in {res.forward_passes} forward "
                   f"passes, effective k {res.effective_k:.2f}, {res.seconds:.2f} s, {res.tokens_per_second:.1f} "
-                  f"tokens/s ({lm.dtype_name}; {lm.forward_path})", file=sys.stderr)
+                  f"tokens/s ({path})", file=sys.stderr)
     if args.json:
         objs = []
         for res in results:
