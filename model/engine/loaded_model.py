@@ -20,6 +20,7 @@ import torch
 
 from .backend import LibraryForward, PassInput
 from .strategies import DEFAULT_K_MAX
+from .threads import serial_torch
 from .text import TokenBytes, chat_prompt_ids, encode_literal
 
 log = logging.getLogger(__name__)
@@ -327,11 +328,7 @@ class LoadedModel:
         Raises:
             RuntimeError: a cache of another model.
         """
-        if getattr(self._backend_of(cache), "kind", "") == "kernels":
-            from .threads import serial_torch
-
-            return serial_torch()
-        return contextlib.nullcontext()
+        return serial_torch() if self._backend_of(cache).kind == "kernels" else contextlib.nullcontext()
 
     def forward(self, input_ids: torch.Tensor, past_key_values: Any, num_masks: int, logits_to_keep: int,
                 positions: Sequence[int] | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
