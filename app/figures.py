@@ -27,6 +27,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
+from app.render import BLOCK_END_WORDS
 from model.engine.decoding import DraftCheck, PassRecord
 from model.engine.strategies import Strategy
 
@@ -162,7 +163,7 @@ def _frame_title(rec: PassRecord, n: int) -> str:
     rows too, with how many (``shared by 3 sessions, 14 rows``)."""
     k = len(rec.kept)
     shared = f" · shared by {rec.shared_sequences} sessions, {rec.shared_rows} rows" if rec.shared_sequences > 1 else ""
-    return f"Pass {rec.index + 1} of {n}: kept {k} ({rec.block_end}){shared}"
+    return f"Pass {rec.index + 1} of {n}: kept {k} ({BLOCK_END_WORDS.get(rec.block_end, rec.block_end)}){shared}"
 
 
 def passes_figure(records: Sequence[PassRecord], strategy: Strategy | None) -> dict:

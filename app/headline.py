@@ -69,10 +69,13 @@ def headline(state: TurnState) -> tuple[str, bool]:
     label, sp = state.strategy.label, state.speed
     if sp is None and state.prefill is not None:
         done, total = state.prefill
-        return f"{label} vs standard decoding: reading the prompt, {done:,} of {total:,} tokens (both sides)…", False
+        return (f"{label} vs standard decoding: reading the prompt, {done:,} of {total:,} tokens (both sides' prompts "
+                "together)…"), False
     if sp is None:
         return f"{label} vs standard decoding: waiting for both sides’ first tokens…", False
-    if _no_clear_difference(sp):  # a ratio inside noise is not a result: say so in the headline itself
+    if sp.low is None or sp.high is None:  # too few paired passes: a ratio of them (or of the prefills) is no result
+        speed = _too_few_text(sp)
+    elif _no_clear_difference(sp):  # a ratio inside noise is not a result: say so in the headline itself
         speed = f"about the same speed ({times_text(sp.ratio)}; its 90% interval includes equal speed)"
     else:
         speed = times_text(sp.ratio) + _against_the_sums(sp)
@@ -140,6 +143,16 @@ def pairs_text(n: int) -> str:
 def _no_clear_difference(sp: SpeedEstimate) -> bool:
     """The headline's ratio reads faster or slower, but its 90% interval includes equal speed."""
     return sp.low is not None and sp.high is not None and sp.low <= 1.0 <= sp.high and direction(sp.ratio) != 0
+
+
+def _too_few_text(sp: SpeedEstimate) -> str:
+    """The headline's speed without an interval (fewer than :data:`~app.timing.MIN_PAIRS_FOR_INTERVAL` paired
+    passes): no verdict, the pairs' ratio in parentheses and, where they point the other way, the sums'. An answer
+    of one or two tokens has no pair at all: its ratio would be the prefills' alone."""
+    seen = f": {times_text(sp.ratio)} over {'it' if sp.pairs == 1 else 'them'}" if sp.pairs else ""
+    sums = (f"; the measured sums read {times_text(sp.raw_ratio)}"
+            if sp.pairs and direction(sp.ratio) * direction(sp.raw_ratio) < 0 else "")
+    return f"too few passes to tell the speed ({pairs_text(sp.pairs)}{seen}{sums})"
 
 
 def _against_the_sums(sp: SpeedEstimate) -> str:
@@ -244,8 +257,8 @@ def turn_status(state: TurnState) -> tuple[str, str]:
         kept = f"; {reused:,} tokens of the conversation reused from the last turn" if reused else ""
         if total <= PREFILL_CHUNK:
             return f"Turn {n}: reading the prompt ({total:,} tokens, both sides){kept}…", "info"
-        return (f"Turn {n}: reading the prompt in chunks of {PREFILL_CHUNK} tokens, {done:,} of {total:,} (both "
-                f"sides; Stop acts between chunks){kept}…", "info")
+        return (f"Turn {n}: reading the prompt in chunks of {PREFILL_CHUNK} tokens, {done:,} of {total:,} tokens "
+                f"(both sides' prompts together; Stop acts between chunks){kept}…", "info")
     if state.phase == "running":
         return f"Turn {n}: running standard vs {label} on {src}…", "info"
     if state.phase == "done":

@@ -93,11 +93,19 @@ def pane_html(history: Sequence[dict], message: str | None, answer: str | None, 
             f'<div class="mtp-scroll" role="log"><div class="mtp-msgs">{body}</div></div></section>')
 
 
+#: What an assistant bubble without text says once its answer is over: one or two tokens can be the first bytes
+#: of a character (an emoji is up to four), which the answer holds back until the character is complete.
+EMPTY_ANSWER_NOTE = "(no text: the answer stopped before its first complete character)"
+
+
 def _bubble(role: str, text: str, cursor: bool = False) -> str:
     who = "user" if role == "user" else ("system" if role == "system" else "bot")
     tail = '<span class="mtp-cursor" aria-hidden="true">▍</span>' if cursor else ""
+    body = message_html(text)
+    if who == "bot" and not text and not cursor:
+        body = f'<span class="mtp-empty-answer">{esc(EMPTY_ANSWER_NOTE)}</span>'
     return (f'<div class="mtp-msg mtp-{who}" data-role="{who}" dir="auto">'
-            f'<div class="mtp-msg-text">{message_html(text)}</div>{tail}</div>')
+            f'<div class="mtp-msg-text">{body}</div>{tail}</div>')
 
 
 # ---------------------------------------------------------------------------- counters
@@ -238,8 +246,10 @@ def figure1_html(records: Sequence[PassRecord], strategy: Strategy | None = None
         spans.append(f'<span class="mtp-blk{" mtp-multi" if w > 1 else ""}" data-pass="{r.index + 1}" '
                      f'data-kept="{w}"{_kept_style(w)} title="{esc(_pass_title(r, strategy))}">{body}</span>')
     if not spans:
-        return ('<div class="mtp-fig1-wrap"><div class="mtp-fig1-empty">The MTP answer, coloured by forward '
-                "pass, appears here.</div></div>")
+        done = sum(1 for r in records if r.kept)
+        what = (f"This answer's {done} forward pass{'es' if done != 1 else ''} made no complete character to colour."
+                if done else "The MTP answer, coloured by forward pass, appears here.")
+        return f'<div class="mtp-fig1-wrap"><div class="mtp-fig1-empty">{esc(what)}</div></div>'
     legend = "".join(f'<span class="mtp-legend-item"{_kept_style(w)}>{w}</span>' for w in sorted(counts))
     return ('<div class="mtp-fig1-wrap"><div class="mtp-legend"><span>tokens per forward pass:</span> '
             f'{legend}<span class="mtp-legend-hint">(hover a span for its pass)</span></div>'
@@ -247,9 +257,14 @@ def figure1_html(records: Sequence[PassRecord], strategy: Strategy | None = None
 
 
 # ---------------------------------------------------------------------------- the per-pass table
-#: Short forms of ``PassRecord.block_end`` for the table (the full reason is the cell's tooltip).
+#: Short forms of ``PassRecord.block_end`` for the table (the cell's tooltip: :data:`BLOCK_END_WORDS`).
 BLOCK_END_SHORT = {"k_max": "k_max", "below tau": "< tau", "utf-8": "utf-8", "draft rejected": "rejected",
                    "stop token": "stop", "max_new_tokens": "max new"}
+#: ``PassRecord.block_end`` in words: why a pass kept no more (the table's tooltips, the pass figure's titles).
+BLOCK_END_WORDS = {"k_max": "every proposal kept", "below tau": "the next proposal was below tau",
+                   "utf-8": "the next proposal would split a character", "draft rejected": "a draft was rejected",
+                   "stop token": "a stop token", "stop string": "a stop string",
+                   "max_new_tokens": "max new tokens reached"}
 
 
 def _one_line(text: str) -> str:
@@ -273,7 +288,7 @@ def pass_table_html(state: TurnState | None) -> str:
                       f"{1000 * r.seconds:.0f}×{r.shared_sequences}" if r.shared_sequences > 1 else
                       f">{1000 * r.seconds:.0f}")
             rows.append(f"<tr><td>{side}</td><td>{r.index + 1}</td><td>{fed}</td><td>{len(r.kept)}</td>"
-                        f'<td title="{esc(r.block_end)}">{esc(end)}</td><td{shared}</td>'
+                        f'<td title="{esc(BLOCK_END_WORDS.get(r.block_end, r.block_end))}">{esc(end)}</td><td{shared}</td>'
                         f'<td class="mtp-td-text" dir="auto" title="{esc(r.text)}">{_one_line(r.text)}</td></tr>')
     head = ('<tr><th title="std = standard decoding, MTP = the right pane">side</th><th>pass</th>'
             '<th title="tokens fed: real + masks (real + drafts + masks when verifying)">fed</th>'
@@ -326,10 +341,11 @@ STRATEGY_HELP = {
     "static k": "<b>static k</b>: each forward pass keeps exactly its first k proposals, whatever their confidence.",
     "lossless": ("<b>lossless</b> (self-speculative verification): each pass feeds the previous pass's mask "
                  "proposals as drafts, keeps the drafts equal to the model's own greedy choice, plus its next token. "
-                 "<b>Its answer is standard decoding's</b>; only the number of forward passes changes. Exactly so in "
-                 "float32; in bf16 a pass over several tokens rounds differently from a one-token pass, so where two "
-                 "candidates are nearly tied the answers can part (the page says where; Model › Precision › float32 "
-                 "makes them identical to the bit)."),
+                 "<b>Its answer is standard decoding's</b>; only the number of forward passes changes. Exactly so "
+                 "in float32, and in bf16 on our CPU kernels (every row of a pass computes what a one-token pass "
+                 "computes, bit for bit); on the library path (torch, a GPU) in bf16 a pass over several tokens "
+                 "rounds differently from a one-token pass, so where two candidates are nearly tied the answers can "
+                 "part (the page says where; Model › Precision › float32 makes them identical to the bit)."),
 }
 
 

@@ -22,7 +22,7 @@ from model.engine.strategies import (
     DEFAULT_STATIC_K,
     DEFAULT_TAU,
     Strategy,
-    check_max_new_tokens,
+    parse_whole_number,
     resolve_strategy,
     verify_layout,
 )
@@ -278,8 +278,8 @@ def app_max_new_tokens(value: Any) -> int:
         RequestError: empty, not a whole number, or out of range (the rule and the value named)."""
     if value is None or (isinstance(value, str) and not value.strip()):
         raise RequestError(f"max new tokens is empty: enter a whole number from 1 to {APP_MAX_NEW_TOKENS}.")
-    try:
-        return check_max_new_tokens(value, APP_MAX_NEW_TOKENS)
+    try:  # named as the page labels its box (the engine's check says max_new_tokens)
+        return parse_whole_number(value, "max new tokens", 1, APP_MAX_NEW_TOKENS)
     except ValueError as e:
         raise RequestError(str(e)) from None
 

@@ -30,6 +30,7 @@ from .engine.strategies import (
     DEFAULT_TAU,
     SPEC_HELP,
     STRATEGY_NAMES,
+    Strategy,
     check_max_new_tokens,
     resolve_strategy,
 )
@@ -61,12 +62,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_unused_settings(args: argparse.Namespace, strategy: Strategy) -> None:
+    """Refuse a setting the chosen strategy does not use (it would be ignored without a word): ``--k`` is static
+    k's block size, ``--tau`` ConfAdapt's threshold, ``--k-max`` means nothing to standard decoding.
+
+    Raises:
+        ValueError: naming the setting, the strategy and what the setting is for."""
+    uses = {"--k": ("static", "static k's block size"), "--tau": ("confadapt", "ConfAdapt's threshold"),
+            "--k-max": (None, "proposals per forward pass")}
+    for flag, value in (("--k", args.k), ("--tau", args.tau), ("--k-max", args.k_max)):
+        wanted, what = uses[flag]
+        if value is not None and (strategy.name != wanted if wanted else strategy.name == "standard"):
+            raise ValueError(f"{flag} does nothing with --strategy {args.strategy} (it is {what}); leave it out.")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 1 non-finite logits, 2 bad input)."""
     args = build_parser().parse_args(argv)
     try:
         strategy = resolve_strategy(args.strategy, tau=args.tau, k_max=args.k_max, k=args.k,
                                     default_k_max=trained_k_max(args.model, adapter=not args.no_adapter) or DEFAULT_K_MAX)
+        check_unused_settings(args, strategy)
         check_max_new_tokens(args.max_new_tokens)
         sampling = sampling_from_args(args)
         if not 1 <= args.num_samples <= 10_000:

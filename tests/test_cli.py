@@ -64,6 +64,12 @@ def test_cli_json(smollm2, capsys):
         (["--prompt", "hi", "--strategy", "confadapt:1.5"], "tau must be in"),
         (["--prompt", "hi", "--strategy", "static:abc"], "Bad strategy 'static:abc'"),
         (["--prompt", "hi", "--strategy", "confadapt:0.9", "--k-max", "0"], "k_max must be"),
+        (["--prompt", "hi", "--strategy", "verify:4:bogus"],
+         "Bad strategy 'verify:4:bogus': a verify layout is linear, full or prefixes"),
+        (["--prompt", "hi", "--strategy", "confadapt", "--k", "7"],
+         "--k does nothing with --strategy confadapt (it is static k's block size)"),
+        (["--prompt", "hi", "--strategy", "verify", "--tau", "0.5"], "--tau does nothing with --strategy verify"),
+        (["--prompt", "hi", "--strategy", "standard", "--k-max", "4"], "--k-max does nothing with --strategy standard"),
     ],
 )
 def test_cli_bad_input(args, message, capsys):

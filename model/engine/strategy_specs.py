@@ -175,8 +175,11 @@ def resolve_strategy(
         if auto:
             return Verify(k_max=km, auto=True)
         return Verify(k_max=km, blocks=verify_layout(km, args[1] if len(args) > 1 else layout))
-    except ValueError as e:
-        raise ValueError(f"Bad strategy {choice!r}: {e}" if args else str(e)) from None
+    except ValueError as e:  # the reason continues the sentence ("...: a verify layout is ...")
+        why = str(e)
+        first = why.split(" ", 1)[0]
+        why = why[:1].lower() + why[1:] if first[:1].isupper() and first[1:] == first[1:].lower() else why
+        raise ValueError(f"Bad strategy {choice!r}: {why}" if args else why) from None
 
 
 def parse_strategies(specs: str | Sequence[str | Strategy], default_k_max: int = DEFAULT_K_MAX,

@@ -310,3 +310,23 @@ def test_a_ratio_inside_its_noise_reads_about_the_same_speed():
     assert line.startswith("lossless verify k_max=4: about the same speed (") and not warn
     assert "its 90% interval includes equal speed), identical answer (lossless)." in line
     assert headline.times_text(sp.ratio) in line
+
+
+def test_an_answer_without_a_complete_character_says_so():
+    """One token can be the first bytes of an emoji: the answer holds them back, so a turn of max new tokens 1 ended
+    with no text. Its bubble says why (not an empty grey box), while a running answer shows its cursor only; the
+    coloured answer says its passes made no character instead of the placeholder of a page that ran nothing."""
+    from model.engine.decoding import PassRecord
+
+    history = [{"role": "user", "content": "one emoji"}, {"role": "assistant", "content": "", "mtp": ""}]
+    for side in ("standard", "mtp"):
+        assert render.EMPTY_ANSWER_NOTE in render.pane_html(history, None, None, side=side, title="t")
+    running = render.pane_html([], "one emoji", "", side="mtp", title="t", running=True)
+    assert render.EMPTY_ANSWER_NOTE not in running and "mtp-cursor" in running
+    answered = render.pane_html([], "hi", "Hello", side="mtp", title="t")
+    assert render.EMPTY_ANSWER_NOTE not in answered and "Hello" in answered
+    rec = PassRecord(index=0, fed_real=3, fed_masks=3, proposals=[240, 1, 2, 3], proposal_texts=["\ufffd"] * 4,
+                     confidences=[0.5] * 4, kept=[240], text="", accepted=1, seconds=0.01)
+    html = render.figure1_html([rec])
+    assert "1 forward pass made no complete character to colour" in html and "appears here" not in html
+    assert "appears here" in render.figure1_html([])

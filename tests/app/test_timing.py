@@ -156,7 +156,7 @@ def test_one_pair_gets_no_interval_and_a_headline_against_the_sums_says_why():
                       quality=Quality(0.4, 0.4))
     line, _ = headline.headline(state)
     assert f"{1 / sp.ratio:.2f}× slower" in line and f"measured sums read {sp.raw_ratio:.2f}× faster" in line
-    assert "1 pair of passes" in line
+    assert "too few passes to tell the speed (1 pair of passes" in line
     html = headline.speed_html(state)
     assert f"no interval from 1 pair of passes (it needs {MIN_PAIRS_FOR_INTERVAL})" in html
     # agreeing directions: no caveat in the headline
@@ -182,3 +182,25 @@ def test_repetition_is_detected_in_loops_and_low_variety_only():
                 2, 1, 3, 1, 2, 2, 3, 3, 1, 2, 1, 3, 3, 1, 2, 2]
     assert repeats(shuffled)  # no loop, but 3 distinct tokens in the last 48: babbling
     assert not repeats(shuffled[:40])  # too short to call either way
+
+
+def test_an_answer_of_one_pass_has_no_speed_verdict():
+    """A one-token answer has no paired pass: the ratio would be the prefills' alone (391 ms against 194 ms read
+    "2.02× faster" on the page). The headline says there are too few passes, in the headline itself."""
+    from app.quality import Quality
+    from app.turn import Turn, TurnState
+    from model.engine.decoding import GenerationResult
+    from model.engine.strategies import confadapt
+    from types import SimpleNamespace
+
+    std, mtp = [_rec(0, 0.391)], [_rec(0, 0.194)]
+    sp = estimate_speedup(std, mtp)
+    assert sp.pairs == 0 and sp.low is None
+    turn = Turn(lm=SimpleNamespace(source="synthetic"), strategy=confadapt(0.9, 4), max_new_tokens=1, history=[],
+                message="hi", prompt_ids=[1, 2, 3], number=1)
+    state = TurnState(turn, GenerationResult(text="a", token_ids=[0], passes=std, strategy="standard"),
+                      GenerationResult(text="a", token_ids=[0], passes=mtp, strategy="confadapt:0.9:4"), True, True,
+                      "done", quality=Quality(0.4, 0.4))
+    line, warn = headline.headline(state)
+    assert line == "ConfAdapt tau=0.90 k_max=4: too few passes to tell the speed (0 pairs of passes), identical answer."
+    assert "faster" not in line and "slower" not in line and not warn

@@ -132,7 +132,7 @@ def test_api_takes_a_plain_string_history_and_answers_the_same_conversation(clie
 @pytest.mark.parametrize(
     ("tau", "k_max", "max_new", "expected"),
     [(-1, 4, 8, "tau must be in [0, 1], got -1"), (0.9, 33, 8, "k_max must be from 1 to 32, got 33"),
-     (0.9, 4, 100_000, "max_new_tokens must be from 1 to 1024, got 100000")],
+     (0.9, 4, 100_000, "max new tokens must be from 1 to 1024, got 100000")],
 )
 def test_api_refuses_out_of_range_values_instead_of_clamping(client, tau, k_max, max_new, expected):
     out = ask(client, "hi", tau=tau, k_max=k_max, max_new_tokens=max_new)
