@@ -27,7 +27,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
-from app.render import BLOCK_END_WORDS
+from app.pass_table import BLOCK_END_WORDS
 from model.engine.decoding import DraftCheck, PassRecord
 from model.engine.strategies import Strategy
 

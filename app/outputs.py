@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import gradio as gr
 
-from . import figures, headline, render
+from . import figures, headline, pass_table, render
 from .requests import choice_of
 from .turn import TurnState, history_after
 
@@ -69,7 +69,7 @@ def idle_outputs(history: list[dict], status: str = "", *, kind: str = "info", n
         stats_std=render.counters_html(None, side="standard", label="standard", state="waiting"),
         stats_mtp=render.counters_html(None, side="mtp", label="MTP", state="waiting"),
         speed="", coloured=render.figure1_html([]), figure=figure_html(None, strategy_choice),
-        race=figures.race_figure([]), table=render.pass_table_html(None),
+        race=figures.race_figure([]), table=pass_table.pass_table_html(None),
         status=render.status_html(status, kind=kind) if status else "", notice=notice,
         result=headline.summary(None, status=status, kind=kind),
     )
@@ -118,7 +118,7 @@ def turn_outputs(state: TurnState, *, figures_due: bool, first: bool = False, st
         figure=figure_html(state, choice_of(state.strategy)) if draw else gr.skip(),
         race=figures.race_figure([("standard", state.standard.passes), (label, state.mtp.passes)])
         if draw else gr.skip(),
-        table=render.pass_table_html(state) if final else gr.skip(),
+        table=pass_table.pass_table_html(state) if final else gr.skip(),
         status=render.status_html(status, kind=kind) if (first or final or status_due) else gr.skip(),
         notice="" if (first or final) else gr.skip(),
         result=headline.summary(state, status=status, kind=kind) if final else gr.skip(),

@@ -26,7 +26,7 @@ import gradio as gr
 from model.engine.loading import DEFAULT_SOURCE
 from model.engine.strategies import DEFAULT_STATIC_K, DEFAULT_TAU
 
-from . import figures, headline, render, tradeoff
+from . import figures, headline, pass_table, render, tradeoff
 from .device import SHAPE_CHOICES, SWEEP_MAX_NEW_TOKENS, SWEEP_TAUS
 from .outputs import STD_TITLE, TURN_OUTPUTS, figure_html, mtp_title
 from .page import Page
@@ -239,7 +239,7 @@ def _tradeoff_and_model(page: Page, c: SimpleNamespace) -> None:
                 c.measure_status = gr.HTML(_measure_text(sweep, len(page.examples)), elem_id="measure-status",
                                            js_on_load=None)
     with gr.Accordion("Per-pass timing", open=False, elem_id="pass-table-accordion"):
-        c.table = gr.HTML(render.pass_table_html(None), elem_id="pass-table", js_on_load=None)
+        c.table = gr.HTML(pass_table.pass_table_html(None), elem_id="pass-table", js_on_load=None)
     with gr.Accordion("Model", open=False, elem_id="model-accordion"):
         with gr.Row():
             c.model_choice = gr.Dropdown(MODEL_CHOICES, value=DEFAULT_SOURCE, label="Model", scale=3,

@@ -113,7 +113,7 @@ def test_the_default_model_answers_the_same_beside_another_session(registry):
 
 
 def test_the_pass_figure_and_table_say_when_a_pass_was_shared(kernel_registry):
-    from app import figures, render
+    from app import figures, pass_table
 
     passes = PassScheduler(gather_s=0.05)
     together = _at_once([prepare_turn(kernel_registry, r) for r in REQUESTS[:2]], passes)
@@ -126,5 +126,5 @@ def test_the_pass_figure_and_table_say_when_a_pass_was_shared(kernel_registry):
     assert f"shared by {p.shared_sequences} sessions, {p.shared_rows} rows" in titles[p.index]
     alone = [t for t, q in zip(titles, state.mtp.passes) if q.shared_sequences == 1]
     assert all("shared" not in t for t in alone)
-    table = render.pass_table_html(state)
+    table = pass_table.pass_table_html(state)
     assert f'title="shared by {p.shared_sequences} sessions, {p.shared_rows} rows">' in table
