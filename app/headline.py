@@ -160,10 +160,8 @@ def _against_the_sums(sp: SpeedEstimate) -> str:
     parenthesis that says so and why; else nothing."""
     if direction(sp.ratio) * direction(sp.raw_ratio) >= 0:
         return ""
-    if sp.low is None or sp.high is None:
-        why = f"{pairs_text(sp.pairs)} {'is' if sp.pairs == 1 else 'are'} too few to tell"
-    else:  # (an interval that includes equal speed is said by the headline itself: _no_clear_difference)
-        why = "load on one side skews the sums; the typical pass discounts it"
+    # (too few pairs: _too_few_text; an interval that includes equal speed: _no_clear_difference)
+    why = "load on one side skews the sums; the typical pass discounts it"
     return f" (the measured sums read {times_text(sp.raw_ratio)}: {why})"
 
 
