@@ -68,11 +68,11 @@ def check_unused_settings(args: argparse.Namespace, strategy: Strategy) -> None:
 
     Raises:
         ValueError: naming the setting, the strategy and what the setting is for."""
-    uses = {"--k": ("static", "static k's block size"), "--tau": ("confadapt", "ConfAdapt's threshold"),
-            "--k-max": (None, "proposals per forward pass")}
-    for flag, value in (("--k", args.k), ("--tau", args.tau), ("--k-max", args.k_max)):
-        wanted, what = uses[flag]
-        if value is not None and (strategy.name != wanted if wanted else strategy.name == "standard"):
+    checks = (("--k", args.k, strategy.name != "static", "static k's block size"),
+              ("--tau", args.tau, strategy.name != "confadapt", "ConfAdapt's threshold"),
+              ("--k-max", args.k_max, strategy.name == "standard", "proposals per forward pass"))
+    for flag, value, unused, what in checks:
+        if value is not None and unused:
             raise ValueError(f"{flag} does nothing with --strategy {args.strategy} (it is {what}); leave it out.")
 
 
