@@ -150,15 +150,19 @@ def _too_few_text(sp: SpeedEstimate) -> str:
     passes): no verdict, the pairs' ratio in parentheses and, where they point the other way, the sums'. An answer
     of one or two tokens has no pair at all: its ratio would be the prefills' alone."""
     seen = f": {times_text(sp.ratio)} over {'it' if sp.pairs == 1 else 'them'}" if sp.pairs else ""
-    sums = (f"; the measured sums read {times_text(sp.raw_ratio)}"
-            if sp.pairs and direction(sp.ratio) * direction(sp.raw_ratio) < 0 else "")
+    sums = f"; the measured sums read {times_text(sp.raw_ratio)}" if sp.pairs and _sums_disagree(sp) else ""
     return f"too few passes to tell the speed ({pairs_text(sp.pairs)}{seen}{sums})"
 
 
+def _sums_disagree(sp: SpeedEstimate) -> bool:
+    """The ratio and the measured sums point different ways: one faster, the other slower."""
+    return direction(sp.ratio) * direction(sp.raw_ratio) < 0
+
+
 def _against_the_sums(sp: SpeedEstimate) -> str:
-    """Where the headline's ratio and the measured sums point different ways (one faster, the other slower), a
+    """Where the headline's ratio and the measured sums point different ways (:func:`_sums_disagree`), a
     parenthesis that says so and why; else nothing."""
-    if direction(sp.ratio) * direction(sp.raw_ratio) >= 0:
+    if not _sums_disagree(sp):
         return ""
     # (too few pairs: _too_few_text; an interval that includes equal speed: _no_clear_difference)
     why = "load on one side skews the sums; the typical pass discounts it"
