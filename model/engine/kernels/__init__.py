@@ -19,7 +19,8 @@ that order). ``avx2`` needs AVX2 and FMA; ``avx512bf16`` AVX512F/BW/VL/DQ and AV
 those and AMX-TILE / AMX-BF16 (the bf16 projections on tiles), and Linux's permission for the tile state. A forced
 path the CPU cannot run is refused with one line naming the missing instructions. Every path is checked once when
 it is loaded (``mtp_selftest``: each row of a wide product has the bits of its one-row product, 2 threads the bits
-of 1, values within 1e-5 of float64); ``auto`` skips a path that fails, saying so in :func:`status`'s reason.
+of 1, values within 1e-5 of float64, in the weights' layout and the adapter's B layout; the zmm kernel for B has the
+AVX2 kernel's bits); ``auto`` skips a path that fails, saying so in :func:`status`'s reason.
 
 ``MTP_AMX_EMULATE=1`` with ``MTP_KERNELS=amx`` builds the AMX path with the tile instructions written out in
 plain C++ (same data movement, per-element order and rounding; shape errors abort): it tests the AMX code on a
@@ -281,7 +282,8 @@ def _open(path: Path) -> ctypes.CDLL:
 
 
 _SELFTEST_FAILURES = {1: "a row of a wide product differs from its one-row product", 2: "2 threads differ from 1",
-                      3: "a product is off the float64 reference", 4: "out of memory"}
+                      3: "a product is off the float64 reference", 4: "out of memory",
+                      5: "its adapter-factor kernel differs from the AVX2 kernel's bits"}
 
 
 def _ready(isa: str, emulate: bool) -> ctypes.CDLL:

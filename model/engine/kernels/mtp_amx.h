@@ -209,7 +209,7 @@ static void gemm_blocks(const mtp_linear* L, int isa, int T, const float* x, int
     amx_blocks(L, T, xp, ldxp, out, ldo, b0, b1);
     return;
   }
-  const bool zmm = L->layout == LAYOUT_BF16_PAIRS || (isa >= ISA_AVX512BF16 && L->layout == LAYOUT_F32);
+  const bool zmm = L->layout == LAYOUT_BF16_PAIRS || isa >= ISA_AVX512BF16;  // else AVX2
   if (zmm) { rmax = T <= 6 ? 6 : 8; vmax = rmax <= 6 ? 4 : 3; }  // 32 zmm registers (DISPATCH_RV8)
   else { vmax = T <= 1 ? 3 : 1; rmax = T <= 1 ? 1 : 6; }  // AVX2: 16 ymm registers (DISPATCH_AVX2)
   // Rows in as few groups as rmax allows, split evenly (7 rows: 4 + 3, not 6 + 1): a small group's few
@@ -226,6 +226,9 @@ static void gemm_blocks(const mtp_linear* L, int isa, int T, const float* x, int
       } else if (isa >= ISA_AVX512BF16 && L->layout == LAYOUT_F32) {
         const void* w = (const float*)L->w + b * k * 16;
         DISPATCH_RV8(mk_512_f32, w, k, x + t * ldx, ldx, o, ldo)
+      } else if (zmm) {  // LAYOUT_BF16 on an AVX512 CPU: the adapter's B
+        const void* w = (const uint16_t*)L->w + b * k * 16;
+        DISPATCH_RV8(mk_512_bf16w, w, k, x + t * ldx, ldx, o, ldo)
       } else if (L->layout == LAYOUT_F32) {
         const void* w = (const float*)L->w + b * k * 16;
         DISPATCH_AVX2(mk_avx2_f32, w, k, x + t * ldx, ldx, o, ldo)

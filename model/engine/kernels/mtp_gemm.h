@@ -93,6 +93,36 @@ TGT512 static void mk_512_bf16(const void* w, int64_t k2, const uint32_t* x, int
     for (int v = 0; v < V; v++) _mm512_storeu_ps(out + r * ldo + v * 16, acc[r][v]);
 }
 
+// AVX512F, weights LAYOUT_BF16 (the AVX2 packing: a step's 16 bf16 hold columns 0-7 in the low halves of eight
+// 32-bit slots and 8-15 in the high halves), x float32. The adapter's B on the AVX512 and AMX paths (u stays
+// float32). A step widens into one zmm whose lanes hold columns 0, 8, 1, 9, ..., 7, 15 (zero-extend, shift); the
+// fused multiply-adds are mk_avx2's, in its order, so every element's bits are that kernel's; the lanes go back
+// to column order at the store. Up to 8 rows and 4 column blocks per call, where the AVX2 kernel has registers
+// for one block of up to 6 rows.
+template <int R, int V>
+TGT512 static void mk_512_bf16w(const void* w, int64_t k, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  __m512 acc[R][V];
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < V; v++) acc[r][v] = _mm512_setzero_ps();
+  const int64_t panel = k * 16;
+  const uint16_t* wp = (const uint16_t*)w;
+  for (int64_t j = 0; j < k; j++) {
+    __m512 wv[V];
+    for (int v = 0; v < V; v++) {
+      prefetch_next(w, 2, (V + v) * panel + j * 16);
+      const __m256i p = _mm256_loadu_si256((const __m256i*)(wp + v * panel + j * 16));
+      wv[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(p), 16));
+    }
+    for (int r = 0; r < R; r++) {
+      __m512 xb = _mm512_set1_ps(x[r * ldx + j]);
+      for (int v = 0; v < V; v++) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
+    }
+  }
+  const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < V; v++) _mm512_storeu_ps(out + r * ldo + v * 16, _mm512_permutexvar_ps(order, acc[r][v]));
+}
+
 // One (row group, column group) tile through the micro-kernel that fits; R, V only change which registers
 // hold which accumulators, never an element's order.
 #define DISPATCH_RV(FN, RMAX, ...)                                                    \

@@ -240,12 +240,14 @@ extern "C" void mtp_pack_weight(const void* src, int32_t src_dtype, int32_t n, i
 #include "mtp_pass.h"
 
 // ------------------------------------------------------------------------------------------------ self-check
-// The projection kernel of path isa on a fixed bf16 weight [72, 72] (five column blocks, the last partial; 36
+// The projection kernels of path isa on a fixed bf16 weight [72, 72] (five column blocks, the last partial; 36
 // pairs: two full AMX tiles and a tail of 4) for T = 1..20 rows (a full tile group and a partial one), on 1 and
-// 2 threads. Returns 0 when every row has the bits of its one-row result, 2 threads the bits of 1, and each
-// element is within 1e-5 (relative to its sum of |products|) of a float64 reference; else 1, 2 or 3 (the check
-// that failed), 4 when the weight could not be allocated. kernels/__init__.py runs it once per loaded path.
-extern "C" int32_t mtp_selftest(int32_t isa) {
+// 2 threads, in each layout the path multiplies: its weights' (bf16 pairs; AVX2: bf16) and, on the AVX512 and AMX
+// paths, the adapter's B (bf16 widened to float32, mk_512_bf16w). Returns 0 when every row has the bits of its
+// one-row result, 2 threads the bits of 1, and each element is within 1e-5 (relative to its sum of |products|) of
+// a float64 reference; else 1, 2 or 3 (the check that failed), 4 when the weight could not be allocated, 5 when
+// the zmm kernel for B differs from the AVX2 kernel it stands in for. kernels/__init__.py runs it once per path.
+static int32_t selftest_layout(int32_t isa, int layout) {
   const int n = 72, k = 72, TMAX = 20;
   uint32_t seed = 12345u;
   auto next_bf16 = [&]() {
@@ -256,14 +258,15 @@ extern "C" int32_t mtp_selftest(int32_t isa) {
   uint16_t w16[72 * 72];
   for (int i = 0; i < n * k; i++) { w[i] = next_bf16(); w16[i] = f32_to_bf16(w[i]); }
   for (int i = 0; i < TMAX * k; i++) x[i] = next_bf16();
-  const int layout = isa == ISA_AVX2 ? LAYOUT_BF16 : LAYOUT_BF16_PAIRS;
   void* packed = mtp_alloc(mtp_packed_bytes(n, k, layout));
   if (!packed) return 4;
   mtp_pack_weight(w16, DT_BF16, n, k, layout, packed);
-  mtp_model M;
+  mtp_model M, M2;
   memset(&M, 0, sizeof M);
   M.dtype = DT_F32;
   M.isa = isa;
+  M2 = M;
+  M2.isa = ISA_AVX2;
   mtp_linear L;
   memset(&L, 0, sizeof L);
   L.w = packed; L.n = n; L.k = k; L.layout = layout;
@@ -272,6 +275,10 @@ extern "C" int32_t mtp_selftest(int32_t isa) {
     linear(&M, &L, T, x, k, y, n, nullptr, 1);
     linear(&M, &L, T, x, k, y2, n, nullptr, 2);
     if (memcmp(y, y2, sizeof(float) * T * n) != 0) rc = 2;
+    if (rc == 0 && layout == LAYOUT_BF16 && isa != ISA_AVX2) {
+      linear(&M2, &L, T, x, k, y2, n, nullptr, 1);
+      if (memcmp(y, y2, sizeof(float) * T * n) != 0) rc = 5;
+    }
     for (int t = 0; t < T && rc == 0; t++) {
       linear(&M, &L, 1, x + t * k, k, y1, n, nullptr, 1);
       if (memcmp(y1, y + t * n, sizeof(float) * n) != 0) rc = 1;
@@ -288,6 +295,11 @@ extern "C" int32_t mtp_selftest(int32_t isa) {
   mtp_free(packed);
   trim_scratch();
   return rc;
+}
+
+extern "C" int32_t mtp_selftest(int32_t isa) {
+  const int32_t rc = selftest_layout(isa, isa == ISA_AVX2 ? LAYOUT_BF16 : LAYOUT_BF16_PAIRS);
+  return rc != 0 || isa == ISA_AVX2 ? rc : selftest_layout(isa, LAYOUT_BF16);
 }
 
 // ------------------------------------------------------------------------------------------------ layout
