@@ -8,7 +8,7 @@ from .turn import TurnState
 
 #: Short forms of ``PassRecord.block_end`` for the table (the cell's tooltip: :data:`BLOCK_END_WORDS`).
 BLOCK_END_SHORT = {"k_max": "k_max", "below tau": "< tau", "utf-8": "utf-8", "draft rejected": "rejected",
-                   "stop token": "stop", "max_new_tokens": "max new"}
+                   "stop token": "stop", "stop string": "stop str", "max_new_tokens": "max new"}
 #: ``PassRecord.block_end`` in words: why a pass kept no more (the table's tooltips, the pass figure's titles).
 BLOCK_END_WORDS = {"k_max": "every proposal kept", "below tau": "the next proposal was below tau",
                    "utf-8": "the next proposal would split a character", "draft rejected": "a draft was rejected",

@@ -9,6 +9,9 @@ from typing import Sequence
 
 from .sampling import GREEDY
 
+#: Every ``PassRecord.block_end``: why a pass kept no more tokens (its docstring says what each means).
+BLOCK_ENDS = ("k_max", "below tau", "utf-8", "draft rejected", "stop token", "stop string", "max_new_tokens")
+
 
 @dataclass(frozen=True)
 class DraftCheck:

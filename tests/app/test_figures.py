@@ -143,3 +143,12 @@ def test_tradeoff_labels_at_one_place_are_one_label_and_right_hand_labels_go_lef
     lossless = next(t for t in fig.data if t.name == "lossless" and t.text is not None)
     assert list(lossless.text) == ["k_max 4", "k_max 4 full"] and list(lossless.textposition) == ["top left"] * 2
     assert list(curve.textposition)[:2] == ["top right", "top right"]
+
+
+def test_every_block_end_has_a_short_form_and_words():
+    """The per-pass table and the pass figure name every reason a block can end, in short and in words."""
+    from app.pass_table import BLOCK_END_SHORT, BLOCK_END_WORDS
+    from model.engine.records import BLOCK_ENDS
+
+    assert set(BLOCK_END_SHORT) == set(BLOCK_ENDS)
+    assert set(BLOCK_END_WORDS) == set(BLOCK_ENDS)
