@@ -31,14 +31,16 @@ DISTINCT_FLOOR = 0.2
 
 
 def repeats(token_ids: Sequence[int]) -> bool:
-    """True when an answer degenerates into repetition: its last :data:`LOOP_SPAN` tokens (at least three
-    periods) are one n-gram of at most :data:`LOOP_MAX_PERIOD` tokens repeated, or its last
+    """True when an answer degenerates into repetition: :data:`LOOP_SPAN` tokens (at least three periods) ending
+    less than one period before its end (a stutter out of the loop, cut by max new tokens, still counts) are one
+    n-gram of at most :data:`LOOP_MAX_PERIOD` tokens repeated, or its last
     :data:`DISTINCT_WINDOW` tokens have a distinct-token ratio under :data:`DISTINCT_FLOOR`."""
     ids = list(token_ids)
     for period in range(1, LOOP_MAX_PERIOD + 1):
         span = max(LOOP_SPAN, 3 * period)
-        if len(ids) >= span and all(ids[-j] == ids[-j - period] for j in range(1, span - period + 1)):
-            return True
+        for end in range(len(ids), max(len(ids) - period, span - 1), -1):  # the loop may end a stutter early
+            if all(ids[end - j] == ids[end - j - period] for j in range(1, span - period + 1)):
+                return True
     tail = ids[-DISTINCT_WINDOW:]
     return len(tail) >= DISTINCT_WINDOW and len(set(tail)) / len(tail) < DISTINCT_FLOOR
 

@@ -178,6 +178,11 @@ def test_repetition_is_detected_in_loops_and_low_variety_only():
     assert repeats(list(range(30)) + list(range(200, 232)) * 3)  # up to 32-token loops
     assert not repeats(list(range(100)))  # varied text
     assert not repeats(list(range(20)) + [1, 2] * 5)  # a short run of a loop (10 tokens) is not degenerate
+    # a loop whose last tokens stutter out of it (the page: '... the lazy dog. The The quick quick', cut at max
+    # new tokens) is still a loop; one the answer left for longer than a period is not
+    assert repeats(list(range(30)) + sentence * 3 + [100, 100, 101, 101])
+    assert not repeats(list(range(30)) + sentence * 2 + [100, 100, 101, 101])
+    assert not repeats(list(range(30)) + sentence * 3 + list(range(300, 316)))
     shuffled = [3, 1, 2, 2, 3, 1, 1, 1, 3, 2, 3, 2, 1, 3, 2, 2, 1, 1, 3, 3, 2, 1, 2, 3, 1, 3, 3, 2, 1, 1, 2, 3,
                 2, 1, 3, 1, 2, 2, 3, 3, 1, 2, 1, 3, 3, 1, 2, 2]
     assert repeats(shuffled)  # no loop, but 3 distinct tokens in the last 48: babbling
