@@ -59,7 +59,7 @@ NLL_TIE = 0.005
 def headline(state: TurnState) -> tuple[str, bool]:
     """The speed and its cost in one sentence, and whether it is a warning.
 
-    A warning whenever the MTP answer parts from standard decoding's and is less likely under the model,
+    A warning whenever the MTP answer diverges from standard decoding's and is less likely under the model,
     or degenerates into repetition: such an answer never reads as a plain win. Before both sides are
     scored the sentence says how the answers agree so far.
 
@@ -88,16 +88,16 @@ def headline(state: TurnState) -> tuple[str, bool]:
         n = min(len(state.standard.token_ids), len(state.mtp.token_ids))
         cost = f"identical so far (the first {n} tokens)"
     elif q is None or q.gap is None:
-        cost = f"the answer parts at token {parted + 1}" + ("" if state.final else " (quality once both are done)")
+        cost = f"the answer diverges at token {parted + 1}" + ("" if state.final else " (quality once both are done)")
     elif q.gap > NLL_TIE:
-        cost = (f"but the answer parts at token {parted + 1} and is {q.gap:.2f} nats/token less likely under the "
+        cost = (f"but the answer diverges at token {parted + 1} and is {q.gap:.2f} nats/token less likely under the "
                 f"model ({q.mtp_nll:.2f} vs {q.standard_nll:.2f})")
         warn = True
     elif q.gap < -NLL_TIE:
-        cost = (f"the answer parts at token {parted + 1} and is {-q.gap:.2f} nats/token more likely under the model "
+        cost = (f"the answer diverges at token {parted + 1} and is {-q.gap:.2f} nats/token more likely under the model "
                 f"({q.mtp_nll:.2f} vs {q.standard_nll:.2f})")
     else:
-        cost = (f"the answer parts at token {parted + 1}, equally likely under the model ({q.mtp_nll:.2f} vs "
+        cost = (f"the answer diverges at token {parted + 1}, equally likely under the model ({q.mtp_nll:.2f} vs "
                 f"{q.standard_nll:.2f})")
     if q is not None and q.mtp_repeats:
         warn = True
@@ -228,8 +228,8 @@ def _parting(state: TurnState, i: int) -> str:
     conf = state.standard.passes[i].confidences[0] if i < len(state.standard.passes) else None
     close = f" (standard decoding's top candidate there had probability {conf:.2f})" if conf is not None else ""
     dt = dtype_name(state.turn.lm) or "this precision"
-    return (f"the answers part at token {i + 1}{close}: in {dt} a pass over several tokens rounds differently from a "
-            "one-token pass, and there the two best candidates were nearly tied; in float32 they are identical")
+    return (f"the answers diverge at token {i + 1}{close}: in {dt} a pass over several tokens rounds differently "
+            "from a one-token pass, and there the two best candidates were nearly tied; in float32 they are identical")
 
 
 def cut_sides(state: TurnState) -> list[str]:

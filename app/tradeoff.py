@@ -197,12 +197,12 @@ def _answer_traces(panels: _Panels, answers: Sequence[AnswerPoint]) -> None:
         panels.add([a.effective_k for a in sampled], [None] * len(sampled), [a.nll for a in sampled],
                    name="your sampled answers (NLL only)", colour=ANSWER_SAMPLED, symbol="x", size=10, hover=hover)
     for ok, colour, title in ((True, ANSWER_IDENTICAL, "your answers: identical"),
-                              (False, ANSWER_PARTED, "your answers: parted")):
+                              (False, ANSWER_PARTED, "your answers: diverged")):
         group = [a for a in answers if a.identical == ok and not a.sampled]
         if not group:
             continue
         hover = [f"turn {a.turn}: {html.escape(a.label)}<br>effective k {a.effective_k:.2f}<br>"
-                 + ("identical to standard decoding" if ok else f"parts at token {(a.parted_at or 0) + 1}")
+                 + ("identical to standard decoding" if ok else f"diverges at token {(a.parted_at or 0) + 1}")
                  + (f"<br>NLL {a.nll:.3f} (standard {a.standard_nll:.3f})"
                     if a.nll is not None and a.standard_nll is not None else "")
                  + ("<br>degenerates into repetition" if a.repeats else "") for a in group]

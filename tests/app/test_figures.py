@@ -120,9 +120,9 @@ def test_tradeoff_figure_labels_taus_marks_lossless_tau_and_the_sessions_answers
     assert lossless.marker.symbol == "diamond" and list(lossless.x) == [1.7] and "k_max 4" in lossless.text[0]
     star = by_name["tau 0.7 now"][0]
     assert star.marker.symbol == "star" and list(star.x) == [pytest.approx(1.8)]
-    same, parted = by_name["your answers: identical"][0], by_name["your answers: parted"][0]
-    assert list(same.y) == [1.0] and list(parted.y) == [0.0] and list(by_name["your answers: parted"][1].y) == [1.2]
-    assert "parts at token 5" in parted.hovertext[0] and "repetition" in parted.hovertext[0]
+    same, parted = by_name["your answers: identical"][0], by_name["your answers: diverged"][0]
+    assert list(same.y) == [1.0] and list(parted.y) == [0.0] and list(by_name["your answers: diverged"][1].y) == [1.2]
+    assert "diverges at token 5" in parted.hovertext[0] and "repetition" in parted.hovertext[0]
     assert "shipped with the checkpoint" in fig.layout.title.text
     empty = tradeoff.tradeoff_figure(None, tau=0.9)
     assert "no measured trade-off" in empty.layout.title.text

@@ -66,7 +66,7 @@ def test_lossless_answer_ahead_of_standard_is_identical_so_far(registry):
 def test_lossless_in_bf16_says_where_and_why_the_answers_part(registry):
     """In bf16 a pass over several tokens rounds differently from a one-token pass: at a near-tie the
     lossless answer can part from standard decoding's, and the page says where and why. (This GSM8K
-    problem parted at token 9 on this project's CPUs; elsewhere it may not part at all.)"""
+    problem parted at token 9 on this project's CPUs; elsewhere it may not diverge at all.)"""
     lm = registry.get("smollm2-135m", "none", "bfloat16")
     question = json.loads(GSM8K_SAMPLE.read_text().splitlines()[4])["question"]
     last = finish(prepare_turn(registry, TurnRequest(question, [], "lossless", 0.9, 4, 3, 16, ("smollm2-135m", "none",
@@ -76,7 +76,8 @@ def test_lossless_in_bf16_says_where_and_why_the_answers_part(registry):
         assert "identical answers: lossless" in line
     else:
         i = next(i for i, (a, b) in enumerate(zip(last.standard.token_ids, last.mtp.token_ids)) if a != b)
-        assert f"the answers part at token {i + 1}" in line and "in bf16" in line and "in float32 they are identical" in line
+        assert f"the answers diverge at token {i + 1}" in line and "in bf16" in line
+        assert "in float32 they are identical" in line
     assert lm.dtype == torch.bfloat16
 
 
@@ -155,10 +156,10 @@ def test_headline_states_speed_and_its_cost_in_one_sentence():
         "identical answer (lossless).")
     parted = same[:11] + [99] * 9
     line, warn = headline.headline(_state(same, parted, static_k(3), Quality(0.41, 1.26), per_pass=3))
-    assert warn and line.startswith("static k=3: ") and "faster, but the answer parts at token 12 and is 0.85 " \
+    assert warn and line.startswith("static k=3: ") and "faster, but the answer diverges at token 12 and is 0.85 " \
         "nats/token less likely under the model (1.26 vs 0.41)." in line
     line, warn = headline.headline(_state(same, parted, static_k(3), Quality(0.41, 0.30), per_pass=3))
-    assert not warn and "the answer parts at token 12 and is 0.11 nats/token more likely under the model (0.30 vs " \
+    assert not warn and "the answer diverges at token 12 and is 0.11 nats/token more likely under the model (0.30 vs " \
         "0.41)." in line
     line, warn = headline.headline(_state(same, parted, static_k(3), Quality(0.41, 0.412), per_pass=3))
     assert not warn and "equally likely under the model (0.41 vs 0.41)" in line
@@ -171,8 +172,8 @@ def test_headline_states_speed_and_its_cost_in_one_sentence():
     line, warn = headline.headline(_state(same[:6], same[:8], confadapt(0.9, 4), None, phase="running"))
     assert line.endswith("identical so far (the first 6 tokens).") and not warn
     line, _ = headline.headline(_state(same[:6], parted[:12], confadapt(0.9, 4), None, phase="running"))
-    assert "parts at token 12 (quality once both are done)" not in line and "identical so far" in line
-    assert "the answer parts at token 12 (quality once both are done)" in headline.headline(
+    assert "diverges at token 12 (quality once both are done)" not in line and "identical so far" in line
+    assert "the answer diverges at token 12 (quality once both are done)" in headline.headline(
         _state(same[:14], parted[:14], confadapt(0.9, 4), None, phase="running"))[0]
     # the page: one sentence in bold, the warning styled as one, details after it
     html = headline.speed_html(_state(same, parted, static_k(3), Quality(0.41, 1.26), per_pass=3))
@@ -267,7 +268,7 @@ def test_a_slowdown_is_styled_as_one_and_a_headline_has_one_but():
     parted = same[:11] + [99] * 9
     line, warn = headline.headline(_state(same, parted, static_k(3), Quality(0.41, 1.26, False, True), per_pass=3))
     assert warn and line.count("but") == 1 and line.endswith(
-        "but the answer parts at token 12 and is 0.85 nats/token less likely under the model (1.26 vs 0.41), and it "
+        "but the answer diverges at token 12 and is 0.85 nats/token less likely under the model (1.26 vs 0.41), and it "
         "degenerates into repetition.")
 
 
