@@ -540,12 +540,13 @@ def format_table(report: dict) -> str:
         lines.append("")
         lines.append(f"ms per forward pass by tokens fed (cache of {w['context_tokens']} tokens; "
                      "x = ratio to our 1-token base pass)")
-        wh = f"{'':<40}" + "".join(f"{t:>14}" for t in w["widths"])
+        lw = max([40] + [len(row["label"]) + 1 for row in w["rows"]])  # the longest label, then the columns
+        wh = f"{'':<{lw}}" + "".join(f"{t:>14}" for t in w["widths"])
         lines += [wh, "-" * len(wh)]
         for row in w["rows"]:
             cells = "".join(f"{ms:>7.1f} ({x:4.2f}x)" if row["ratio"] else f"{ms:>14.1f}"
                             for ms, x in zip(row["ms"], row["ratio"] or [0] * len(row["ms"])))
-            lines.append(f"{row['label']:<40}{cells}")
+            lines.append(f"{row['label']:<{lw}}{cells}")
     b = report.get("bandwidth")
     if b:
         lines.append("")

@@ -66,6 +66,10 @@ def test_bench_on_tiny_model(tiny_lm):
     assert rep["bandwidth"] is None
     table = format_table(rep)
     assert "x HF" in table and "ms per forward pass" in table and "verify:4 output == standard" in table
+    lines = table.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("ms per forward pass"))
+    width_rows = lines[at + 3: at + 3 + len(w["rows"])]
+    assert len({len(line) for line in width_rows}) == 1  # every row's cells in the same columns, long labels too
 
 
 def test_weight_and_pass_bytes(base_tokenizer):
