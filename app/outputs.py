@@ -137,9 +137,12 @@ def refused_outputs(text: str) -> tuple:
     return outputs_of(notice=notice_html(text), result={"phase": "refused", "status": text})
 
 
-def error_outputs(text: str) -> tuple:
-    """A request refused before it ran: the status line says why (in the page, no toast); the message stays
-    in the box."""
+def error_outputs(text: str, *, in_notice: bool = False) -> tuple:
+    """A request refused before it ran: the status line says why (in the page, no toast), or with ``in_notice``
+    (a turn of the session is answering and the status line is its) the notice under the message box; the
+    message stays in the box."""
+    if in_notice:
+        return outputs_of(notice=notice_html(text), result={"phase": "error", "status": text})
     return outputs_of(status=render.status_html(text, kind="error"), notice="",
                       result={"phase": "error", "status": text})
 

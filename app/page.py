@@ -210,7 +210,8 @@ class Page(ApiHandlers):
             check_message(request.message)  # an empty message never takes a place in the queue
         except RequestError as e:
             self.sessions.settle(session)
-            yield error_outputs(str(e))
+            # while the session's turn answers, its status line stays its own: the notice says why
+            yield error_outputs(str(e), in_notice=self.sessions.current(session) is not None)
             return
         ticket = self.sessions.enter(session, seq)
         if ticket is None:

@@ -411,6 +411,30 @@ def test_a_turn_starts_only_after_the_stopped_run_has_ended_and_recorded_its_ans
     assert sessions.conversation("s", []) == last["history"]
 
 
+def test_an_empty_message_during_a_run_leaves_the_runs_status_line(tiny_registry):
+    """A refused message while the session's turn is answering says why in the notice under the box, and leaves the
+    status line to the running turn (it stayed on the error while the next message waited, under a notice about
+    that one); with no turn running the status line says it, as before."""
+    import gradio as gr
+
+    from app import build_app
+
+    demo = build_app(tiny_registry, preload=False)
+    sessions, chat = demo.mtp_sessions, _chat_of(demo)
+    key = ("tiny", "none", "auto")
+    running = sessions.begin("s")
+    out = [dict(zip(ui.TURN_OUTPUTS, o)) for o in chat("   ", [], "ConfAdapt", 0.9, 4, 3, 4, "linear", key,
+                                                       request=_request("s"))]
+    refused = {"phase": "error", "status": "The message is empty: type a question first."}
+    assert len(out) == 1 and out[0]["result"] == refused
+    assert "The message is empty" in out[0]["notice"] and out[0]["status"] == gr.skip()
+    assert sessions.current("s") is running  # the run goes on untouched
+    running.release()
+    idle = [dict(zip(ui.TURN_OUTPUTS, o)) for o in chat("   ", [], "ConfAdapt", 0.9, 4, 3, 4, "linear", key,
+                                                        request=_request("s"))]
+    assert "The message is empty" in idle[0]["status"] and idle[0]["notice"] == ""
+
+
 def test_a_turn_that_ends_without_its_last_update_keeps_its_message(tiny_registry):
     """A run whose handler is closed mid-turn (the page went away, an error while drawing) still records its message
     and partial answers before the next turn may start: that turn continues the conversation with it."""
