@@ -38,7 +38,7 @@ from .passes import SHARED, PassScheduler
 from .prefixes import PrefixStore
 from .quality import answer_point
 from .registry import ModelRegistry
-from .requests import (STRATEGY_CHOICES, TurnRequest, app_k_max, check_message, check_page_controls, k_max_limit,
+from .requests import (STRATEGY_CHOICES, TurnRequest, app_k_max, check_page_controls, check_settings, k_max_limit,
                        load_examples, parse_history, parse_source)
 from .sessions import MAX_WAITING, SessionRuns, stop_requested
 from .timing import width_pairs
@@ -207,7 +207,7 @@ class Page(ApiHandlers):
         (API and MCP clients): no queue, no record, the history sent is the conversation."""
         self.sessions.arrive(session, seq)  # refused or not, a later message need not wait for this one
         try:
-            check_message(request.message)  # an empty message never takes a place in the queue
+            check_settings(request)  # a message refused never takes a place in the queue (it stays in the box)
         except RequestError as e:
             self.sessions.settle(session)
             # while the session's turn answers, its status line stays its own: the notice says why
@@ -283,7 +283,7 @@ class Page(ApiHandlers):
         except RequestError as e:
             self.sessions.arrive(session_of(request), seq)
             self.sessions.settle(session_of(request))
-            out = error_outputs(str(e))
+            out = error_outputs(str(e), in_notice=self.sessions.current(session_of(request)) is not None)
             yield (box_command(out[0], sent),) + tuple(out[1:])
             return
         turn = TurnRequest(message, history, strategy, tau, k_max, k, max_new_tokens, model_key, shape,

@@ -271,6 +271,24 @@ def check_page_controls(choice: Any, tau: Any, k_max: Any, k: Any) -> None:
         raise RequestError(f"k is empty: enter a whole number from 1 to {APP_MAX_K_MAX}.")
 
 
+def check_settings(request: TurnRequest) -> None:
+    """Refuse now what :func:`app.turn.prepare_turn` would refuse in the request itself (the message, the history
+    sent, the strategy and its controls, max new tokens, sampling, a lossless shape), before the message waits
+    behind the session's running turn: refused only once its turn came, it would be gone from the box. What
+    needs the model (its own k_max, the prompt's length in tokens) is checked when the turn starts.
+
+    Raises:
+        RequestError: as those checks do.
+    """
+    check_message(request.message)
+    parse_history(request.history)
+    strategy = app_strategy(request.strategy, request.tau, request.k_max, request.k)
+    app_max_new_tokens(request.max_new_tokens)
+    app_sampling(request.temperature, request.top_p, request.seed)
+    if strategy.lossless:
+        check_shape(request.shape)
+
+
 def app_max_new_tokens(value: Any) -> int:
     """max_new_tokens from 1 to :data:`APP_MAX_NEW_TOKENS` (the engine's check, the app's bound).
 

@@ -411,10 +411,11 @@ def test_a_turn_starts_only_after_the_stopped_run_has_ended_and_recorded_its_ans
     assert sessions.conversation("s", []) == last["history"]
 
 
-def test_an_empty_message_during_a_run_leaves_the_runs_status_line(tiny_registry):
-    """A refused message while the session's turn is answering says why in the notice under the box, and leaves the
-    status line to the running turn (it stayed on the error while the next message waited, under a notice about
-    that one); with no turn running the status line says it, as before."""
+def test_a_message_refused_during_a_run_stays_in_the_box_and_leaves_the_run_alone(tiny_registry):
+    """A message refused while the session's turn is answering (empty, or a bad setting) is refused at once: it
+    never waits in the queue, stays in the box, and the notice under the box says why, leaving the status line to
+    the running turn (it stayed on the error while the next message waited); with no turn running the status
+    line says it, as before."""
     import gradio as gr
 
     from app import build_app
@@ -429,6 +430,12 @@ def test_an_empty_message_during_a_run_leaves_the_runs_status_line(tiny_registry
     assert len(out) == 1 and out[0]["result"] == refused
     assert "The message is empty" in out[0]["notice"] and out[0]["status"] == gr.skip()
     assert sessions.current("s") is running  # the run goes on untouched
+    # a message with a bad setting is refused at once too, in the notice; it never waits, so it is never lost
+    # (it used to wait, emptied from the box, and be refused only when its turn came)
+    bad = [dict(zip(ui.TURN_OUTPUTS, o)) for o in chat("second question", [], "ConfAdapt", 0.9, 0, 3, 4, "linear", key,
+                                                       request=_request("s"))]
+    assert len(bad) == 1 and "k_max must be from 1 to 32, got 0" in bad[0]["notice"]
+    assert bad[0]["message"] == gr.skip() and bad[0]["status"] == gr.skip() and sessions.waiting("s") == 0
     running.release()
     idle = [dict(zip(ui.TURN_OUTPUTS, o)) for o in chat("   ", [], "ConfAdapt", 0.9, 4, 3, 4, "linear", key,
                                                         request=_request("s"))]
