@@ -280,11 +280,11 @@ def check_settings(request: TurnRequest) -> None:
     Raises:
         RequestError: as those checks do.
     """
-    check_message(request.message)
+    check_message(request.message)  # in prepare_turn's order, so the same error comes first
     parse_history(request.history)
-    strategy = app_strategy(request.strategy, request.tau, request.k_max, request.k)
     app_max_new_tokens(request.max_new_tokens)
     app_sampling(request.temperature, request.top_p, request.seed)
+    strategy = app_strategy(request.strategy, request.tau, request.k_max, request.k)
     if strategy.lossless:
         check_shape(request.shape)
 
