@@ -261,12 +261,12 @@ static int32_t selftest_layout(int32_t isa, int layout) {
   void* packed = mtp_alloc(mtp_packed_bytes(n, k, layout));
   if (!packed) return 4;
   mtp_pack_weight(w16, DT_BF16, n, k, layout, packed);
-  mtp_model M, M2;
+  mtp_model M, M_avx2;  // M_avx2: the same on the AVX2 kernels, what mk_512_bf16w stands in for
   memset(&M, 0, sizeof M);
   M.dtype = DT_F32;
   M.isa = isa;
-  M2 = M;
-  M2.isa = ISA_AVX2;
+  M_avx2 = M;
+  M_avx2.isa = ISA_AVX2;
   mtp_linear L;
   memset(&L, 0, sizeof L);
   L.w = packed; L.n = n; L.k = k; L.layout = layout;
@@ -276,7 +276,7 @@ static int32_t selftest_layout(int32_t isa, int layout) {
     linear(&M, &L, T, x, k, y2, n, nullptr, 2);
     if (memcmp(y, y2, sizeof(float) * T * n) != 0) rc = 2;
     if (rc == 0 && layout == LAYOUT_BF16 && isa != ISA_AVX2) {
-      linear(&M2, &L, T, x, k, y2, n, nullptr, 1);
+      linear(&M_avx2, &L, T, x, k, y2, n, nullptr, 1);
       if (memcmp(y, y2, sizeof(float) * T * n) != 0) rc = 5;
     }
     for (int t = 0; t < T && rc == 0; t++) {
