@@ -118,27 +118,31 @@ TGT2 static void rotate(float* x, const float* cos, const float* sin_f, int hd, 
   memcpy(x, tmp, sizeof(float) * hd);
 }
 
-// SiLU(gate) * up, rounded as transformers does in bf16 (silu rounded, then the product).
-TGT2 static void silu_mul(const float* gu, int64_t ld, int T, int inter, float* act, int dtype) {
+// SiLU(gate) * up, rounded as transformers does in bf16 (silu rounded, then the product), for the columns
+// [c0, c1) of each of the T rows (gu: [T, ld] holding gate then up; act: [T, inter]). Element-wise.
+TGT2 static void silu_mul(const float* gu, int64_t ld, int T, int inter, int64_t c0, int64_t c1, float* act,
+                          int dtype) {
   static thread_local Scratch s;
-  float* e = s.get(inter + 8);
+  const int64_t n = c1 - c0;
+  float* e = s.get(n + 8);
   for (int t = 0; t < T; t++) {
-    const float* g = gu + t * ld;
-    const float* u = g + inter;
-    for (int i = 0; i < inter; i++) e[i] = -g[i];
-    exp_inplace(e, inter);
-    int i0 = 0;
+    const float* g = gu + t * ld + c0;
+    const float* u = gu + t * ld + inter + c0;
+    float* a = act + (int64_t)t * inter + c0;
+    for (int64_t i = 0; i < n; i++) e[i] = -g[i];
+    exp_inplace(e, n);
+    int64_t i0 = 0;
     const __m256 one = _mm256_set1_ps(1.0f);
-    for (; i0 + 8 <= inter; i0 += 8) {
+    for (; i0 + 8 <= n; i0 += 8) {
       const __m256 s1 = to_dtype8(_mm256_div_ps(_mm256_loadu_ps(g + i0), _mm256_add_ps(one, _mm256_loadu_ps(e + i0))),
                                   dtype);
-      _mm256_storeu_ps(act + t * inter + i0, to_dtype8(_mm256_mul_ps(s1, _mm256_loadu_ps(u + i0)), dtype));
+      _mm256_storeu_ps(a + i0, to_dtype8(_mm256_mul_ps(s1, _mm256_loadu_ps(u + i0)), dtype));
     }
-    for (int i = i0; i < inter; i++) {
+    for (int64_t i = i0; i < n; i++) {
       float s1 = g[i] / (1.0f + e[i]);
       if (dtype == DT_BF16) s1 = round_bf16(s1);
       float v = s1 * u[i];
-      act[t * inter + i] = dtype == DT_BF16 ? round_bf16(v) : v;
+      a[i] = dtype == DT_BF16 ? round_bf16(v) : v;
     }
   }
 }
@@ -200,7 +204,12 @@ static int forward_batch(const mtp_model* M, float* x, int32_t T, const mtp_batc
     add_round_row(x, o, (int64_t)T * Hd, dt);
     for (int t = 0; t < T; t++) rms_norm_row(x + t * Hd, Ly->ln2, h + t * Hd, Hd, M->eps, dt);
     linear(M, &Ly->gate_up, T, h, Hd, gu, 2 * I, am, nt);
-    silu_mul(gu, 2 * I, T, I, act, dt);
+    parallel(nt, [&](int tid, int n_threads) {  // each thread its share of the columns (multiples of 16)
+      int64_t b0, b1;
+      share(cdiv(I, 16), tid, n_threads, &b0, &b1);
+      const int64_t c1 = b1 * 16 < I ? b1 * 16 : I;
+      if (b0 * 16 < c1) silu_mul(gu, 2 * I, T, I, b0 * 16, c1, act, dt);
+    });
     linear(M, &Ly->down, T, act, I, o, Hd, am, nt);
     add_round_row(x, o, (int64_t)T * Hd, dt);
   }

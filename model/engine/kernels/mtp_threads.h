@@ -150,12 +150,17 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
       if (k & 1) d[k] = 0;
     }
   }
+  // Each thread rounds (and biases) the columns it computed, while they are in its cache: element-wise, so
+  // the bits do not depend on who does it.
   parallel(nt, [&](int tid, int n_threads) {
     int64_t b0, b1;
     share(nbt, tid, n_threads, &b0, &b1);
-    if (b0 < b1) gemm_blocks(L, M->isa, T, x, ldx, xp, ldxp, out, ldo, b0, b1);
+    if (b0 >= b1) return;
+    gemm_blocks(L, M->isa, T, x, ldx, xp, ldxp, out, ldo, b0, b1);
+    const int64_t c0 = b0 * 16, c1 = b1 * 16 < n ? b1 * 16 : n;
+    for (int t = 0; c0 < c1 && t < T; t++)
+      bias_round_row(out + t * ldo + c0, L->bias ? L->bias + c0 : nullptr, y + t * ldy + c0, c1 - c0, M->dtype);
   });
-  for (int t = 0; t < T; t++) bias_round_row(out + t * ldo, L->bias, y + t * ldy, n, M->dtype);
   if (arows == 0) return;
   static thread_local Scratch s_rows;  // ints in a float buffer (the same size)
   int* rows = (int*)s_rows.get(arows);
@@ -179,20 +184,30 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
     });
   }
   // delta[t, j] = sum_r u[t, r] B[j, r] over the member's ranks only (no zero blocks), r in order: the same
-  // column kernel on B (packed [out_m, r_m])
+  // column kernel on B (packed [out_m, r_m]). Every member in one region: a thread takes its share of each
+  // member's column blocks and adds those delta columns to y itself (element-wise).
   static thread_local Scratch s_d;
+  int64_t doff[4], dtotal = 0;
   for (int m = 0; m < L->members; m++) {
-    const int o0 = L->m_out0[m], om = L->m_out1[m] - o0, r0 = L->m_r0[m], rr = L->m_r1[m] - r0;
-    mtp_linear Bm;
-    memset(&Bm, 0, sizeof Bm);
-    Bm.w = L->m_b[m]; Bm.n = om; Bm.k = rr; Bm.layout = L->lora_layout;
-    const int64_t nbm = cdiv(om, 16), ldd = nbm * 16;
-    float* d = s_d.get((int64_t)arows * ldd);
-    parallel(nt, [&](int tid, int n_threads) {
+    doff[m] = dtotal;
+    dtotal += (int64_t)arows * cdiv(L->m_out1[m] - L->m_out0[m], 16) * 16;
+  }
+  float* d = s_d.get(dtotal);
+  parallel(nt, [&](int tid, int n_threads) {
+    for (int m = 0; m < L->members; m++) {
+      const int o0 = L->m_out0[m], om = L->m_out1[m] - o0, r0 = L->m_r0[m], rr = L->m_r1[m] - r0;
+      const int64_t nbm = cdiv(om, 16), ldd = nbm * 16;
       int64_t b0, b1;
       share(nbm, tid, n_threads, &b0, &b1);
-      if (b0 < b1) gemm_blocks(&Bm, M->isa, arows, u + r0, ldu, nullptr, 0, d, ldd, b0, b1);
-    });
-    for (int t = 0; t < arows; t++) add_round_row(y + (int64_t)rows[t] * ldy + o0, d + t * ldd, om, M->dtype);
-  }
+      if (b0 >= b1) continue;
+      mtp_linear Bm;
+      memset(&Bm, 0, sizeof Bm);
+      Bm.w = L->m_b[m]; Bm.n = om; Bm.k = rr; Bm.layout = L->lora_layout;
+      float* dm = d + doff[m];
+      gemm_blocks(&Bm, M->isa, arows, u + r0, ldu, nullptr, 0, dm, ldd, b0, b1);
+      const int64_t c0 = b0 * 16, c1 = b1 * 16 < om ? b1 * 16 : om;
+      for (int t = 0; t < arows; t++)
+        add_round_row(y + (int64_t)rows[t] * ldy + o0 + c0, dm + t * ldd + c0, c1 - c0, M->dtype);
+    }
+  });
 }
