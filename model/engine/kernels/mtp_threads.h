@@ -81,14 +81,17 @@ template <class F> static void parallel(int nt, F&& f) {
 }
 
 
-// Thread tid's share of nb column blocks (contiguous, in multiples of 4 blocks).
+// Thread tid's share of nb column blocks (contiguous, in multiples of SHARE_UNIT blocks). Two blocks, not a
+// micro-kernel's four: SmolLM2's o and down projections have 36 blocks, which fours split 20 / 16 between two
+// threads (the second thread then waits ~10% of those products for the first) and twos split 18 / 18.
+static const int64_t SHARE_UNIT = 2;
 static inline void share(int64_t nb, int tid, int nt, int64_t* b0, int64_t* b1) {
-  int64_t units = cdiv(nb, 4);
+  int64_t units = cdiv(nb, SHARE_UNIT);
   int64_t per = units / nt, extra = units % nt;
   int64_t u0 = tid * per + (tid < extra ? tid : extra);
   int64_t u1 = u0 + per + (tid < extra ? 1 : 0);
-  *b0 = u0 * 4 < nb ? u0 * 4 : nb;
-  *b1 = u1 * 4 < nb ? u1 * 4 : nb;
+  *b0 = u0 * SHARE_UNIT < nb ? u0 * SHARE_UNIT : nb;
+  *b1 = u1 * SHARE_UNIT < nb ? u1 * SHARE_UNIT : nb;
 }
 
 // A thread's scratch buffer (grown as needed). A thread's buffers are freed at the end of a pass when together they
