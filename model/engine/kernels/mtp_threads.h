@@ -128,6 +128,38 @@ static void trim_scratch() {
   }
 }
 
+// The adapter rows' delta u B^T added to y (rows[i]: the row of y of adapter row i; u: [arows, ldu] float32).
+// delta[t, j] = sum_r u[t, r] B[j, r] over the member's ranks only (no zero blocks), r in order: the same
+// column kernel on B (packed [out_m, r_m]). Every member in one region: a thread takes its share of each
+// member's column blocks and adds those delta columns to y itself (element-wise).
+static void add_b_delta(const mtp_model* M, const mtp_linear* L, int arows, const int* rows, const float* u,
+                        int64_t ldu, float* y, int64_t ldy, int nt) {
+  static thread_local Scratch s_d;
+  int64_t doff[4], dtotal = 0;
+  for (int m = 0; m < L->members; m++) {
+    doff[m] = dtotal;
+    dtotal += (int64_t)arows * cdiv(L->m_out1[m] - L->m_out0[m], 16) * 16;
+  }
+  float* d = s_d.get(dtotal);
+  parallel(nt, [&](int tid, int n_threads) {
+    for (int m = 0; m < L->members; m++) {
+      const int o0 = L->m_out0[m], om = L->m_out1[m] - o0, r0 = L->m_r0[m], rr = L->m_r1[m] - r0;
+      const int64_t nbm = cdiv(om, 16), ldd = nbm * 16;
+      int64_t b0, b1;
+      share(nbm, tid, n_threads, &b0, &b1);
+      if (b0 >= b1) continue;
+      mtp_linear Bm;
+      memset(&Bm, 0, sizeof Bm);
+      Bm.w = L->m_b[m]; Bm.n = om; Bm.k = rr; Bm.layout = L->lora_layout;
+      float* dm = d + doff[m];
+      gemm_blocks(&Bm, M->isa, arows, u + r0, ldu, nullptr, 0, dm, ldd, b0, b1);
+      const int64_t c0 = b0 * 16, c1 = b1 * 16 < om ? b1 * 16 : om;
+      for (int t = 0; t < arows; t++)
+        add_round_row(y + (int64_t)rows[t] * ldy + o0 + c0, dm + t * ldd + c0, c1 - c0, M->dtype);
+    }
+  });
+}
+
 // y[T, n] (row stride ldy) = x[T, k] W^T (+ bias), rounded to the dtype; then the rows where amask is 1 get
 // the adapter's delta (peft's order: base result in the dtype + float32 delta, rounded again).
 static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* x, int64_t ldx, float* y,
@@ -186,31 +218,5 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
       if (b0 < b1) gemm_blocks(&A, M->isa, arows, xa, k, nullptr, 0, u, ldu, b0, b1);
     });
   }
-  // delta[t, j] = sum_r u[t, r] B[j, r] over the member's ranks only (no zero blocks), r in order: the same
-  // column kernel on B (packed [out_m, r_m]). Every member in one region: a thread takes its share of each
-  // member's column blocks and adds those delta columns to y itself (element-wise).
-  static thread_local Scratch s_d;
-  int64_t doff[4], dtotal = 0;
-  for (int m = 0; m < L->members; m++) {
-    doff[m] = dtotal;
-    dtotal += (int64_t)arows * cdiv(L->m_out1[m] - L->m_out0[m], 16) * 16;
-  }
-  float* d = s_d.get(dtotal);
-  parallel(nt, [&](int tid, int n_threads) {
-    for (int m = 0; m < L->members; m++) {
-      const int o0 = L->m_out0[m], om = L->m_out1[m] - o0, r0 = L->m_r0[m], rr = L->m_r1[m] - r0;
-      const int64_t nbm = cdiv(om, 16), ldd = nbm * 16;
-      int64_t b0, b1;
-      share(nbm, tid, n_threads, &b0, &b1);
-      if (b0 >= b1) continue;
-      mtp_linear Bm;
-      memset(&Bm, 0, sizeof Bm);
-      Bm.w = L->m_b[m]; Bm.n = om; Bm.k = rr; Bm.layout = L->lora_layout;
-      float* dm = d + doff[m];
-      gemm_blocks(&Bm, M->isa, arows, u + r0, ldu, nullptr, 0, dm, ldd, b0, b1);
-      const int64_t c0 = b0 * 16, c1 = b1 * 16 < om ? b1 * 16 : om;
-      for (int t = 0; t < arows; t++)
-        add_round_row(y + (int64_t)rows[t] * ldy + o0 + c0, dm + t * ldd + c0, c1 - c0, M->dtype);
-    }
-  });
+  add_b_delta(M, L, arows, rows, u, ldu, y, ldy, nt);
 }
