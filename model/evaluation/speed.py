@@ -541,12 +541,13 @@ def format_table(report: dict) -> str:
         lines.append(f"ms per forward pass by tokens fed (cache of {w['context_tokens']} tokens; "
                      "x = ratio to our 1-token base pass)")
         lw = max([40] + [len(row["label"]) + 1 for row in w["rows"]])  # the longest label, then the columns
-        wh = f"{'':<{lw}}" + "".join(f"{t:>14}" for t in w["widths"])
+        cells = [[f"{ms:.1f} ({x:.2f}x)" if row["ratio"] else f"{ms:.1f}"
+                  for ms, x in zip(row["ms"], row["ratio"] or [0] * len(row["ms"]))] for row in w["rows"]]
+        cw = max([14] + [len(c) + 1 for row in cells for c in row])  # the widest cell (12.34x, 1234.5 ms)
+        wh = f"{'':<{lw}}" + "".join(f"{t:>{cw}}" for t in w["widths"])
         lines += [wh, "-" * len(wh)]
-        for row in w["rows"]:
-            cells = "".join(f"{ms:>7.1f} ({x:4.2f}x)" if row["ratio"] else f"{ms:>14.1f}"
-                            for ms, x in zip(row["ms"], row["ratio"] or [0] * len(row["ms"])))
-            lines.append(f"{row['label']:<{lw}}{cells}")
+        for row, row_cells in zip(w["rows"], cells):
+            lines.append(f"{row['label']:<{lw}}" + "".join(f"{c:>{cw}}" for c in row_cells))
     b = report.get("bandwidth")
     if b:
         lines.append("")

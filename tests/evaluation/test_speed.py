@@ -120,6 +120,22 @@ def test_bench_reports_bandwidth(tiny_lm):
     assert "bandwidth achieved, ours" in format_table(rep)
 
 
+def test_width_table_keeps_its_columns_for_slow_rows(tiny_lm):
+    """A row ten or more times the reference (the torch path on a loaded machine) or over 1,000 ms widens its
+    cells: every row of the width table still puts its cells in the same columns as the header's widths."""
+    rep = bench(tiny_lm, ["Hi"], "standard", repeats=1, max_new_tokens=3, widths=(1, 2), width_repeats=1,
+                measure_bandwidth=False, llama_cpp=False)
+    rows = rep["width"]["rows"]
+    rows[-1]["ms"], rows[-1]["ratio"] = [123.4, 1234.5], [12.34, 123.45]
+    rows[0]["ratio"] = None  # a row without ratios prints milliseconds only
+    rows[0]["ms"] = [98765.4, 1.0]
+    lines = format_table(rep).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("ms per forward pass"))
+    header, table = lines[at + 1], lines[at + 3: at + 3 + len(rows)]
+    assert len({len(line) for line in table + [header]}) == 1, table
+    assert "123.4 (12.34x)" in table[-1] and "1234.5 (123.45x)" in table[-1] and "98765.4" in table[0]
+
+
 def test_default_prompts_are_in_the_repository():
     problems = load_problems(DEFAULT_DATA, 3)
     assert len(problems) == 3 and all(p["question"] for p in problems)
