@@ -192,9 +192,10 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
     share(nbt, tid, n_threads, &b0, &b1);
     if (b0 >= b1) return;
     gemm_blocks(L, M->isa, T, x, ldx, xp, ldxp, out, ldo, b0, b1);
-    const int64_t c0 = b0 * 16, c1 = b1 * 16 < n ? b1 * 16 : n;
-    for (int t = 0; c0 < c1 && t < T; t++)
-      bias_round_row(out + t * ldo + c0, L->bias ? L->bias + c0 : nullptr, y + t * ldy + c0, c1 - c0, M->dtype);
+    const int64_t c0 = b0 * 16, c1 = b1 * 16 < n ? b1 * 16 : n;  // c0 >= c1: a share of A's columns only
+    if (c0 < c1)
+      for (int t = 0; t < T; t++)
+        bias_round_row(out + t * ldo + c0, L->bias ? L->bias + c0 : nullptr, y + t * ldy + c0, c1 - c0, M->dtype);
   });
   if (arows == 0) return;
   static thread_local Scratch s_rows;  // ints in a float buffer (the same size)
