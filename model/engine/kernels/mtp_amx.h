@@ -115,15 +115,20 @@ extern "C" int32_t mtp_amx_init(void) {
 #endif
 }
 
-// Continue the sums of V column blocks for M rows over pairs [j0, k2) with vdpbf16ps (pair tails of a k2 that
-// is not a multiple of 16): each element's order stays pair by pair.
-TGT512 static void amx_tail(const uint16_t* w, int64_t k2, int64_t j0, const uint32_t* x, int64_t ldx, int M, int V,
-                            float* out, int64_t ldo) {
+// Column blocks of the packed weight: its n columns, and the adapter's A after them when packed inside it.
+static inline int64_t packed_blocks(const mtp_linear* L) {
+  return cdiv(L->n, 16) + (L->lora_a_in_w ? cdiv(L->rank, 16) : 0);
+}
+
+// Continue the sums of V column blocks for M rows over pairs [j0, k2) with vdpbf16ps (pair tails of k2 that
+// is not a multiple of 16): each element's order stays pair by pair. Block v's step j at w[v] + j * js[v].
+TGT512 static void amx_tail(const uint16_t* const* w, const int64_t* js, int64_t k2, int64_t j0, const uint32_t* x,
+                            int64_t ldx, int M, int V, float* out, int64_t ldo) {
   for (int r = 0; r < M; r++)
     for (int v = 0; v < V; v++) {
       __m512 acc = _mm512_loadu_ps(out + r * ldo + v * 16);
       for (int64_t j = j0; j < k2; j++) {
-        const __m512i wv = _mm512_loadu_si512((const void*)(w + v * k2 * 32 + j * 32));
+        const __m512i wv = _mm512_loadu_si512((const void*)(w[v] + j * js[v]));
         acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)x[r * ldx + j]), (__m512bh)wv);
       }
       _mm512_storeu_ps(out + r * ldo + v * 16, acc);
@@ -141,22 +146,24 @@ TGTAMX static void amx_configure(int M) {
   AMX_CONFIG(&c);
 }
 
-// V (1-4) column blocks for the configured M rows: out[m, v * 16 + c] = sum over pairs of x[m] . w[v][c].
+// V (1-4) column blocks for the configured M rows: out[m, v * 16 + c] = sum over pairs of x[m] . w[v][c]. Block
+// v's step j at w[v] + j * js[v] (pair_block): a weight tile's 16 rows are 16 steps, js[v] * 2 bytes apart.
 template <int V>
-TGTAMX static void mk_amx(const uint16_t* w, int64_t k2, const uint32_t* x, int64_t ldx, float* out, int64_t ldo) {
-  const int64_t panel = k2 * 32, kfull = k2 / 16 * 16;
+TGTAMX static void mk_amx(const uint16_t* const* w, const int64_t* js, int64_t k2, const uint32_t* x, int64_t ldx,
+                          float* out, int64_t ldo) {
+  const int64_t kfull = k2 / 16 * 16;
   AMX_ZERO(0);
   if (V > 1) AMX_ZERO(1);
   if (V > 2) AMX_ZERO(2);
   if (V > 3) AMX_ZERO(3);
   for (int64_t j = 0; j < kfull; j += 16) {
     AMX_LOAD(4, x + j, ldx * 4);
-    AMX_LOAD(5, w + j * 32, 64);
-    if (V > 1) AMX_LOAD(6, w + panel + j * 32, 64);
+    AMX_LOAD(5, w[0] + j * js[0], js[0] * 2);
+    if (V > 1) AMX_LOAD(6, w[1] + j * js[1], js[1] * 2);
     AMX_DP(0, 4, 5);
-    if (V > 2) AMX_LOAD(5, w + 2 * panel + j * 32, 64);
+    if (V > 2) AMX_LOAD(5, w[2] + j * js[2], js[2] * 2);
     if (V > 1) AMX_DP(1, 4, 6);
-    if (V > 3) AMX_LOAD(6, w + 3 * panel + j * 32, 64);
+    if (V > 3) AMX_LOAD(6, w[3] + j * js[3], js[3] * 2);
     if (V > 2) AMX_DP(2, 4, 5);
     if (V > 3) AMX_DP(3, 4, 6);
   }
@@ -171,8 +178,7 @@ TGTAMX static void mk_amx(const uint16_t* w, int64_t k2, const uint32_t* x, int6
 // remaining rows.
 TGTAMX static void amx_blocks(const mtp_linear* L, int T, const uint32_t* xp, int64_t ldxp, float* out, int64_t ldo,
                               int64_t b0, int64_t b1) {
-  const int64_t k2 = cdiv(L->k, 2), kfull = k2 / 16 * 16;
-  const uint16_t* w0 = (const uint16_t*)L->w;
+  const int64_t k2 = cdiv(L->k, 2), kfull = k2 / 16 * 16, nbp = packed_blocks(L);
   const int full = T / 16, rest = T % 16;
   for (int pass = 0; pass < 2; pass++) {
     const int M = pass == 0 ? 16 : rest, g0 = pass == 0 ? 0 : full, g1 = pass == 0 ? full : full + 1;
@@ -180,17 +186,19 @@ TGTAMX static void amx_blocks(const mtp_linear* L, int T, const uint32_t* xp, in
     amx_configure(M);
     for (int64_t b = b0; b < b1; b += 4) {
       const int V = (int)((b1 - b) < 4 ? (b1 - b) : 4);
-      const uint16_t* w = w0 + b * k2 * 32;
+      const uint16_t* w[4];
+      int64_t js[4];
+      for (int v = 0; v < V; v++) w[v] = pair_block(L->w, k2, nbp, b + v, &js[v]);
       for (int g = g0; g < g1; g++) {
         const uint32_t* x = xp + (int64_t)g * 16 * ldxp;
         float* o = out + (int64_t)g * 16 * ldo + b * 16;
         switch (V) {
-          case 1: mk_amx<1>(w, k2, x, ldxp, o, ldo); break;
-          case 2: mk_amx<2>(w, k2, x, ldxp, o, ldo); break;
-          case 3: mk_amx<3>(w, k2, x, ldxp, o, ldo); break;
-          default: mk_amx<4>(w, k2, x, ldxp, o, ldo); break;
+          case 1: mk_amx<1>(w, js, k2, x, ldxp, o, ldo); break;
+          case 2: mk_amx<2>(w, js, k2, x, ldxp, o, ldo); break;
+          case 3: mk_amx<3>(w, js, k2, x, ldxp, o, ldo); break;
+          default: mk_amx<4>(w, js, k2, x, ldxp, o, ldo); break;
         }
-        if (kfull < k2) amx_tail(w, k2, kfull, x, ldxp, M, V, o, ldo);
+        if (kfull < k2) amx_tail(w, js, k2, kfull, x, ldxp, M, V, o, ldo);
       }
     }
   }
@@ -200,20 +208,44 @@ TGTAMX static void amx_blocks(const mtp_linear* L, int T, const uint32_t* xp, in
 static void amx_blocks(const mtp_linear*, int, const uint32_t*, int64_t, float*, int64_t, int64_t, int64_t) { abort(); }
 #endif
 
-// Column blocks [b0, b1) for all T rows, on the calling thread.
+// LAYOUT_BF16_PAIRS on the zmm path: each pair of blocks (pair_block) swept once per group of up to 8 rows
+// (groups split evenly: 16 rows are 8 + 8, 7 rows one group). Up to 5 rows the hardware prefetcher alone keeps
+// the one stream fed (asking for the next pair's lines as well made 1-4 rows 1.1-1.2x slower); with groups of 6-8
+// rows the arithmetic per step is long enough that asking for them (prefetcht1) is faster on one thread, and
+// with two threads only when the pair is swept by two row groups (docs/DESIGN.md).
+TGT512 static void pair_blocks(const mtp_linear* L, int T, const uint32_t* xp, int64_t ldxp, float* out, int64_t ldo,
+                               int64_t b0, int64_t b1, int nt) {
+  const int64_t k2 = cdiv(L->k, 2), nbp = packed_blocks(L);
+  const int groups = (T + 7) / 8;
+  const bool pf = (T + groups - 1) / groups >= 6 && (nt == 1 || groups > 1);
+  for (int64_t b = b0; b < b1;) {
+    int64_t js;
+    const uint16_t* w = pair_block(L->w, k2, nbp, b, &js);
+    const int V = (b % 2 == 0 && b + 1 < b1 && js == 64) ? 2 : 1;
+    for (int g = 0, t = 0, R = 0; g < groups; g++, t += R) {
+      R = (T - t + (groups - g) - 1) / (groups - g);
+      if (pf) mk_512_pairs<true>(R, V, w, js, k2, xp + t * ldxp, ldxp, out + t * ldo + b * 16, ldo);
+      else mk_512_pairs<false>(R, V, w, js, k2, xp + t * ldxp, ldxp, out + t * ldo + b * 16, ldo);
+    }
+    b += V;
+  }
+}
+
+// Column blocks [b0, b1) for all T rows, on the calling thread (one of nt threads sharing the sweep).
 static void gemm_blocks(const mtp_linear* L, int isa, int T, const float* x, int64_t ldx, const uint32_t* xp,
-                        int64_t ldxp, float* out, int64_t ldo, int64_t b0, int64_t b1) {
+                        int64_t ldxp, float* out, int64_t ldo, int64_t b0, int64_t b1, int nt) {
   const int64_t k = L->k;
   int vmax, rmax;
-  if (isa == ISA_AMX && L->layout == LAYOUT_BF16_PAIRS) {
-    amx_blocks(L, T, xp, ldxp, out, ldo, b0, b1);
+  if (L->layout == LAYOUT_BF16_PAIRS) {
+    if (isa == ISA_AMX) amx_blocks(L, T, xp, ldxp, out, ldo, b0, b1);
+    else pair_blocks(L, T, xp, ldxp, out, ldo, b0, b1, nt);
     return;
   }
-  const bool zmm = L->layout == LAYOUT_BF16_PAIRS || isa >= ISA_AVX512BF16;  // else AVX2
+  const bool zmm = isa >= ISA_AVX512BF16;  // else AVX2
   // 32 zmm registers (DISPATCH_RV8). A decode pass of 2-8 rows streams one column panel at a time (V = 1: one
   // sequential read of the weight, R accumulator chains): four panels side by side are four interleaved streams,
-  // and a 4-row pass of SmolLM2's layers took 1.05-1.11x a one-row pass that way, 0.99-1.03x this way (bf16,
-  // one thread, Zen 4). One row keeps four panels (its single chain would wait on vdpbf16ps's latency); a
+  // and a 4-row pass of SmolLM2's layers took 1.05-1.11x a one-row pass that way, 0.99-1.03x this way (one
+  // thread, Zen 4). One row keeps four panels (its single chain would wait on the multiply-add's latency); a
   // wider pass is bound by arithmetic and keeps the registers' reuse. The adapter's B (LAYOUT_BF16, a few
   // hundred KB read from cache) keeps its blocking.
   if (zmm && T >= 2 && T <= 8 && L->layout != LAYOUT_BF16) { rmax = 8; vmax = 1; }
@@ -227,10 +259,7 @@ static void gemm_blocks(const mtp_linear* L, int isa, int T, const float* x, int
     for (int g = 0, t = 0, R = 0; g < groups; g++, t += R) {
       R = (T - t + (groups - g) - 1) / (groups - g);
       float* o = out + t * ldo + b * 16;
-      if (L->layout == LAYOUT_BF16_PAIRS) {
-        const void* w = (const uint16_t*)L->w + b * cdiv(k, 2) * 32;
-        DISPATCH_RV8(mk_512_bf16, w, cdiv(k, 2), xp + t * ldxp, ldxp, o, ldo)
-      } else if (isa >= ISA_AVX512BF16 && L->layout == LAYOUT_F32) {
+      if (isa >= ISA_AVX512BF16 && L->layout == LAYOUT_F32) {
         const void* w = (const float*)L->w + b * k * 16;
         DISPATCH_RV8(mk_512_f32, w, k, x + t * ldx, ldx, o, ldo)
       } else if (zmm) {  // LAYOUT_BF16 on an AVX512 CPU: the adapter's B

@@ -69,19 +69,20 @@ TGT512 static void mk_512_f32(const void* w, int64_t k, const float* x, int64_t 
     for (int v = 0; v < V; v++) _mm512_storeu_ps(out + r * ldo + v * 16, acc[r][v]);
 }
 
-// AVX512-BF16, weights LAYOUT_BF16_PAIRS, x bf16 pairs [T, ldx] (uint32 = two bf16).
-template <int R, int V>
-TGT512 static void mk_512_bf16(const void* w, int64_t k2, const uint32_t* x, int64_t ldx, float* out, int64_t ldo) {
+// AVX512-BF16, weights LAYOUT_BF16_PAIRS, x bf16 pairs [T, ldx] (uint32 = two bf16). V (1 or 2) blocks of one
+// pair (pair_block: block v's step j at w + j * js + v * 32). PF: also ask for the next pair's lines into L2.
+template <int R, int V, bool PF>
+TGT512 static void mk_512_bf16(const uint16_t* w, int64_t js, int64_t k2, const uint32_t* x, int64_t ldx, float* out,
+                               int64_t ldo) {
   __m512 acc[R][V];
   for (int r = 0; r < R; r++)
     for (int v = 0; v < V; v++) acc[r][v] = _mm512_setzero_ps();
-  const int64_t panel = k2 * 32;
-  const uint16_t* wp = (const uint16_t*)w;
+  const int64_t next = k2 * js;
   for (int64_t j = 0; j < k2; j++) {
     __m512i wv[V];
     for (int v = 0; v < V; v++) {
-      prefetch_next(w, 2, (V + v) * panel + j * 32);
-      wv[v] = _mm512_loadu_si512((const void*)(wp + v * panel + j * 32));
+      if (PF) prefetch_next(w, 2, next + j * js + v * 32);
+      wv[v] = _mm512_loadu_si512((const void*)(w + j * js + v * 32));
     }
     for (int r = 0; r < R; r++) {
       __m512i xb = _mm512_set1_epi32((int)x[r * ldx + j]);
@@ -91,6 +92,21 @@ TGT512 static void mk_512_bf16(const void* w, int64_t k2, const uint32_t* x, int
   }
   for (int r = 0; r < R; r++)
     for (int v = 0; v < V; v++) _mm512_storeu_ps(out + r * ldo + v * 16, acc[r][v]);
+}
+
+// mk_512_bf16 for R (1-8) rows and V (1-2) blocks.
+template <bool PF>
+TGT512 static void mk_512_pairs(int R, int V, const uint16_t* w, int64_t js, int64_t k2, const uint32_t* x,
+                                int64_t ldx, float* out, int64_t ldo) {
+#define MTP_PAIRS_CASE(RR)                                                              \
+  case RR * 8 + 1: mk_512_bf16<RR, 1, PF>(w, js, k2, x, ldx, out, ldo); break;          \
+  case RR * 8 + 2: mk_512_bf16<RR, 2, PF>(w, js, k2, x, ldx, out, ldo); break;
+  switch (R * 8 + V) {
+    MTP_PAIRS_CASE(1) MTP_PAIRS_CASE(2) MTP_PAIRS_CASE(3) MTP_PAIRS_CASE(4)
+    MTP_PAIRS_CASE(5) MTP_PAIRS_CASE(6) MTP_PAIRS_CASE(7) MTP_PAIRS_CASE(8)
+    default: break;
+  }
+#undef MTP_PAIRS_CASE
 }
 
 // AVX512F, weights LAYOUT_BF16 (the AVX2 packing: a step's 16 bf16 hold columns 0-7 in the low halves of eight

@@ -199,7 +199,20 @@ extern "C" int64_t mtp_packed_bytes(int32_t n, int32_t k, int32_t layout) {
   int64_t nb = cdiv(n, 16);
   if (layout == LAYOUT_F32) return nb * k * 16 * 4;
   if (layout == LAYOUT_BF16) return nb * k * 16 * 2;
-  return nb * cdiv(k, 2) * 32 * 2;  // pairs: [nb][k/2][16][2]
+  return nb * cdiv(k, 2) * 32 * 2;  // pairs: [nb / 2][k/2][2][16][2] (pair_block)
+}
+
+// LAYOUT_BF16_PAIRS stores its column blocks two by two, step by step: for the blocks 2g and 2g + 1, step j of
+// block 2g, then step j of block 2g + 1, then step j + 1 of each, ... (a last odd block alone). A sweep of
+// one pair of blocks is then one sequential stream of 128 bytes a step with two accumulator chains per row.
+// The blocks one after another (a 64-byte step each, four blocks read side by side as four streams) gave a
+// one-row pass 0.81x the speed of this layout and a four-row pass about the same (SmolLM2's layer
+// projections, one thread, Zen 4); docs/DESIGN.md gives the figures. Block b's step j is at
+// pair_block(w, k2, nb, b, &js) + j * js elements.
+static inline const uint16_t* pair_block(const void* w, int64_t k2, int64_t nb, int64_t b, int64_t* js) {
+  const int64_t g = b / 2;
+  *js = (2 * g + 2 <= nb ? 2 : 1) * 32;
+  return (const uint16_t*)w + g * 2 * k2 * 32 + (b % 2) * 32;
 }
 
 // src: [n, k] row-major in float32 (src_dtype 0) or bf16 (1). dst: mtp_packed_bytes, zeroed (padding).
@@ -225,9 +238,9 @@ extern "C" void mtp_pack_weight(const void* src, int32_t src_dtype, int32_t n, i
         const int64_t slot = c < 8 ? 2 * c : 2 * (c - 8) + 1;
         for (int64_t j = 0; j < k; j++) d[j * 16 + slot] = getraw16(i, j);
       } else {
-        int64_t k2 = cdiv(k, 2);
-        uint16_t* d = (uint16_t*)dst + b * k2 * 32;
-        for (int64_t j = 0; j < k; j++) d[(j / 2) * 32 + c * 2 + (j & 1)] = getraw16(i, j);
+        int64_t k2 = cdiv(k, 2), js;
+        uint16_t* d = (uint16_t*)pair_block(dst, k2, nb, b, &js);
+        for (int64_t j = 0; j < k; j++) d[(j / 2) * js + c * 2 + (j & 1)] = getraw16(i, j);
       }
     }
 }

@@ -152,7 +152,7 @@ static void add_b_delta(const mtp_model* M, const mtp_linear* L, int arows, cons
       memset(&Bm, 0, sizeof Bm);
       Bm.w = L->m_b[m]; Bm.n = om; Bm.k = rr; Bm.layout = L->lora_layout;
       float* dm = d + doff[m];
-      gemm_blocks(&Bm, M->isa, arows, u + r0, ldu, nullptr, 0, dm, ldd, b0, b1);
+      gemm_blocks(&Bm, M->isa, arows, u + r0, ldu, nullptr, 0, dm, ldd, b0, b1, n_threads);
       const int64_t c0 = b0 * 16, c1 = b1 * 16 < om ? b1 * 16 : om;
       for (int t = 0; t < arows; t++)
         add_round_row(y + (int64_t)rows[t] * ldy + o0 + c0, dm + t * ldd + c0, c1 - c0, M->dtype);
@@ -191,7 +191,7 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
     int64_t b0, b1;
     share(nbt, tid, n_threads, &b0, &b1);
     if (b0 >= b1) return;
-    gemm_blocks(L, M->isa, T, x, ldx, xp, ldxp, out, ldo, b0, b1);
+    gemm_blocks(L, M->isa, T, x, ldx, xp, ldxp, out, ldo, b0, b1, n_threads);
     const int64_t c0 = b0 * 16, c1 = b1 * 16 < n ? b1 * 16 : n;  // c0 >= c1: a share of A's columns only
     if (c0 < c1)
       for (int t = 0; t < T; t++)
@@ -216,7 +216,7 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
     parallel(nt, [&](int tid, int n_threads) {
       int64_t b0, b1;
       share(nbu, tid, n_threads, &b0, &b1);
-      if (b0 < b1) gemm_blocks(&A, M->isa, arows, xa, k, nullptr, 0, u, ldu, b0, b1);
+      if (b0 < b1) gemm_blocks(&A, M->isa, arows, xa, k, nullptr, 0, u, ldu, b0, b1, n_threads);
     });
   }
   add_b_delta(M, L, arows, rows, u, ldu, y, ldy, nt);
