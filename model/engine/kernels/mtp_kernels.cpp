@@ -205,9 +205,9 @@ extern "C" int64_t mtp_packed_bytes(int32_t n, int32_t k, int32_t layout) {
 // LAYOUT_BF16_PAIRS stores its column blocks two by two, step by step: for the blocks 2g and 2g + 1, step j of
 // block 2g, then step j of block 2g + 1, then step j + 1 of each, ... (a last odd block alone). A sweep of
 // one pair of blocks is then one sequential stream of 128 bytes a step with two accumulator chains per row.
-// The blocks one after another (a 64-byte step each, four blocks read side by side as four streams) gave a
-// one-row pass 0.81x the speed of this layout and a four-row pass about the same (SmolLM2's layer
-// projections, one thread, Zen 4); docs/DESIGN.md gives the figures. Block b's step j is at
+// With the blocks one after another (four blocks read side by side: four streams), one row took 1.2x this
+// layout's time and four rows about the same (SmolLM2's layer projections, one thread, Zen 4); docs/DESIGN.md
+// gives the figures. Block b's step j is at
 // pair_block(w, k2, nb, b, &js) + j * js elements.
 static inline const uint16_t* pair_block(const void* w, int64_t k2, int64_t nb, int64_t b, int64_t* js) {
   const int64_t g = b / 2;
