@@ -284,14 +284,24 @@ def test_verify_equals_standard_in_bf16(base_tokenizer, monkeypatch, one_torch_t
         assert run(lm, ids, verify(4, layout), 40).token_ids == want, layout
 
 
+#: A shape whose q/k/v projection has an odd number of 16-column blocks (3 heads x 40 x 3 = 360 columns: 23 blocks,
+#: the last one half full), so the adapter's A packed after it shares a pair of blocks with the weight's last block
+#: (bf16 pairs are stored two blocks interleaved); the default tiny shape has even block counts.
+ODD_BLOCKS = dict(hidden_size=96, num_attention_heads=3, num_key_value_heads=3, head_dim=40)
+
+
 @pytest.mark.parametrize("isa", _isa_params())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_close_to_transformers(base_tokenizer, monkeypatch, one_torch_thread, isa, dtype):
+@pytest.mark.parametrize("shape", [{}, ODD_BLOCKS], ids=["even-blocks", "odd-blocks"])
+def test_close_to_transformers(base_tokenizer, monkeypatch, one_torch_thread, isa, dtype, shape):
     """Our sums run in another order than transformers' (so not the same bits): logits within rounding of the
-    library path's, base and adapter rows alike."""
+    library path's, base and adapter rows alike, with even and odd column block counts."""
     from transformers import DynamicCache
 
-    lm = on_kernels(_tiny(base_tokenizer, dtype=dtype, adapter="alora"), isa, monkeypatch)
+    lm = on_kernels(_tiny(base_tokenizer, dtype=dtype, adapter="alora", **shape), isa, monkeypatch)
+    if shape:
+        qkv = lm.fast_engine().m.layer[0].qkv
+        assert (qkv.n // 16 + (qkv.n % 16 > 0)) % 2 == 1 and qkv.rank > 0  # the weight's last block pairs with A's
     ids, m = lm.prompt_ids(PROMPT), lm.mask_token_id
     x = torch.tensor([ids + [m] * 3])
     with torch.no_grad():
