@@ -104,6 +104,41 @@ TGT2 static void dot_kv4_heads(const float* const* q, const void* kc, int dtype,
   }
 }
 
+// Scores of the G queries q[0..G-1] (float32 holding bf16 values: a bf16 model's q is rounded after rotary) with
+// the n cached bf16 keys at element offsets off, head_dim a multiple of 32, into out[g][0..n): AVX512-BF16, the
+// 16 pairs of a zmm multiplied exactly and summed into float32 per lane (vdpbf16ps), then the 16 lanes
+// (_mm512_reduce_add_ps). Every score has one order whatever the key's place (4 keys at a time or one), so a
+// row's scores do not depend on its pass; not dot_kv's bits (a path's own order, as its projections are).
+template <int G>
+TGT512 static void scores_bf16(const float* const* q, const void* kc, const int64_t* off, int64_t n, int hd,
+                               float* const* out) {
+  uint32_t q2[G][256];
+  for (int g = 0; g < G; g++) to_bf16_row(q[g], (uint16_t*)q2[g], hd);
+  const uint16_t* k = (const uint16_t*)kc;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    __m512 a[G][4];
+    for (int g = 0; g < G; g++)
+      for (int j = 0; j < 4; j++) a[g][j] = _mm512_setzero_ps();
+    for (int d = 0; d < hd; d += 32)
+      for (int j = 0; j < 4; j++) {
+        const __m512i kv = _mm512_loadu_si512((const void*)(k + off[i + j] + d));
+        for (int g = 0; g < G; g++)
+          a[g][j] = _mm512_dpbf16_ps(a[g][j], (__m512bh)_mm512_loadu_si512((const void*)(q2[g] + d / 2)), (__m512bh)kv);
+      }
+    for (int g = 0; g < G; g++)
+      for (int j = 0; j < 4; j++) out[g][i + j] = _mm512_reduce_add_ps(a[g][j]);
+  }
+  for (; i < n; i++)
+    for (int g = 0; g < G; g++) {
+      __m512 a = _mm512_setzero_ps();
+      for (int d = 0; d < hd; d += 32)
+        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512((const void*)(q2[g] + d / 2)),
+                             (__m512bh)_mm512_loadu_si512((const void*)(k + off[i] + d)));
+      out[g][i] = _mm512_reduce_add_ps(a);
+    }
+}
+
 // o[g][d] = (sum_i p[g][i] v_i[d]) * inv[g] rounded to the dtype for the G heads sharing one KV head, head_dim a
 // multiple of 32: each value widened once for the G heads; per head and lane axpy_kv's fused multiply-adds in
 // value order (32 lanes of each head's sum held in registers across the values), so the same bits.

@@ -18,12 +18,16 @@ TGT2 static void attend_heads(const mtp_model* M, const float* qt, const void* k
   float inv[G];
   for (int g = 0; g < G; g++) { qs[g] = qt + g * hd; scs[g] = sc + g * ldsc; os[g] = o + g * hd; }
   int64_t i4 = 0;
-  if (hd % 8 == 0)
+  if (dtype == DT_BF16 && M->isa >= ISA_AVX512BF16 && hd % 32 == 0) {  // vdpbf16ps: ~4x fewer instructions
+    scores_bf16<G>(qs, kc, idx, n, hd, scs);
+    i4 = n;
+  } else if (hd % 8 == 0) {
     for (; i4 + 4 <= n; i4 += 4) {
       float* at[G];
       for (int g = 0; g < G; g++) at[g] = scs[g] + i4;
       dot_kv4_heads<G>(qs, kc, dtype, idx + i4, hd, at);
     }
+  }
   for (int g = 0; g < G; g++) {
     float* s = scs[g];
     for (int64_t i = i4; i < n; i++) s[i] = dot_kv(qs[g], kc, dtype, idx[i], hd);
