@@ -73,6 +73,22 @@ def _tiny(base_tokenizer, arch="llama", dtype=torch.bfloat16, adapter=None, **co
     return lm
 
 
+def assert_rows_exact_on_one_and_two_threads(lm, ids, widths) -> None:
+    """Every row of passes of 1 real + w - 1 masks (each w in ``widths``) and of the 6-token tree after ``ids`` has
+    the bits of a one-token pass, on one and on two threads."""
+    m = lm.mask_token_id
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for t in widths:
+                got = row_exactness(lm, ids, [101] + [m] * (t - 1), num_masks=t - 1)
+                assert got.exact, (threads, t, got)
+            got = row_exactness(lm, ids, [101] + [m] * 5, num_masks=5, positions=TREE_POS, visible=TREE_VIS)
+            assert got.exact, (threads, got)
+    finally:
+        torch.set_num_threads(1)
+
+
 # ------------------------------------------------------------------------------------------- dispatch
 def test_choose_isa_and_refusals(monkeypatch):
     monkeypatch.delenv(K.EMULATE_ENV, raising=False)
@@ -238,16 +254,7 @@ def test_attention_for_every_head_grouping(base_tokenizer, monkeypatch, one_torc
     shape = dict(hidden_size=96, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
     lm = on_kernels(_tiny(base_tokenizer, dtype=torch.bfloat16, adapter="alora", **shape), isa, monkeypatch)
     ids, m = lm.prompt_ids(PROMPT), lm.mask_token_id
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            for t in (2, 5, 8):
-                got = row_exactness(lm, ids, [101] + [m] * (t - 1), num_masks=t - 1)
-                assert got.exact, (threads, t, got)
-            got = row_exactness(lm, ids, [101] + [m] * 5, num_masks=5, positions=TREE_POS, visible=TREE_VIS)
-            assert got.exact, (threads, got)
-    finally:
-        torch.set_num_threads(1)
+    assert_rows_exact_on_one_and_two_threads(lm, ids, (2, 5, 8))
     lm = on_kernels(_tiny(base_tokenizer, dtype=torch.float32, adapter="alora", **shape), isa, monkeypatch)
     x = torch.tensor([ids + [m] * 3])
     with torch.no_grad():
@@ -268,16 +275,7 @@ def test_rows_exact_after_a_long_cache(base_tokenizer, monkeypatch, one_torch_th
     m = lm.mask_token_id
     ids = lm.prompt_ids(" ".join([PROMPT] * 8))[:150]
     assert len(ids) == 150
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            for t in (2, 5, 8, 13):
-                got = row_exactness(lm, ids, [101] + [m] * (t - 1), num_masks=t - 1)
-                assert got.exact, (threads, t, got)
-            got = row_exactness(lm, ids, [101] + [m] * 5, num_masks=5, positions=TREE_POS, visible=TREE_VIS)
-            assert got.exact, (threads, got)
-    finally:
-        torch.set_num_threads(1)
+    assert_rows_exact_on_one_and_two_threads(lm, ids, (2, 5, 8, 13))
     lm = on_kernels(_tiny(base_tokenizer, dtype=torch.float32, adapter="alora", **shape), isa, monkeypatch)
 
     def after_the_cache(cache):
