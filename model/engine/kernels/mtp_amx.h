@@ -217,14 +217,14 @@ TGT512 static void pair_blocks(const mtp_linear* L, int T, const uint32_t* xp, i
                                int64_t b0, int64_t b1, int nt) {
   const int64_t k2 = cdiv(L->k, 2), nbp = packed_blocks(L);
   const int groups = (T + 7) / 8;
-  const bool pf = (T + groups - 1) / groups >= 6 && (nt == 1 || groups > 1);
+  const bool prefetch_next_pair = (T + groups - 1) / groups >= 6 && (nt == 1 || groups > 1);
   for (int64_t b = b0; b < b1;) {
     int64_t js;
     const uint16_t* w = pair_block(L->w, k2, nbp, b, &js);
     const int V = (b % 2 == 0 && b + 1 < b1 && js == 64) ? 2 : 1;
     for (int g = 0, t = 0, R = 0; g < groups; g++, t += R) {
       R = (T - t + (groups - g) - 1) / (groups - g);
-      if (pf) mk_512_pairs<true>(R, V, w, js, k2, xp + t * ldxp, ldxp, out + t * ldo + b * 16, ldo);
+      if (prefetch_next_pair) mk_512_pairs<true>(R, V, w, js, k2, xp + t * ldxp, ldxp, out + t * ldo + b * 16, ldo);
       else mk_512_pairs<false>(R, V, w, js, k2, xp + t * ldxp, ldxp, out + t * ldo + b * 16, ldo);
     }
     b += V;
@@ -242,12 +242,13 @@ static void gemm_blocks(const mtp_linear* L, int isa, int T, const float* x, int
     return;
   }
   const bool zmm = isa >= ISA_AVX512BF16;  // else AVX2
-  // 32 zmm registers (DISPATCH_RV8). A decode pass of 2-8 rows streams one column panel at a time (V = 1: one
-  // sequential read of the weight, R accumulator chains): four panels side by side are four interleaved streams,
-  // and a 4-row pass of SmolLM2's layers took 1.05-1.11x a one-row pass that way, 0.99-1.03x this way (one
-  // thread, Zen 4). One row keeps four panels (its single chain would wait on the multiply-add's latency); a
-  // wider pass is bound by arithmetic and keeps the registers' reuse. The adapter's B (LAYOUT_BF16, a few
-  // hundred KB read from cache) keeps its blocking.
+  // Float32 weights on the zmm path (32 registers, DISPATCH_RV8): a decode pass of 2-8 rows streams one column
+  // panel at a time (V = 1: one sequential read of the weight, R accumulator chains), where four panels side by
+  // side are four interleaved streams (measured on bf16 panels before the pair layout: a 4-row pass of SmolLM2's
+  // layers 1.05-1.11x a one-row pass that way, 0.99-1.03x this way, one thread, Zen 4). One row keeps four
+  // panels (its single chain would wait on the multiply-add's latency); a wider pass is bound by arithmetic and
+  // keeps the registers' reuse. The adapter's B (LAYOUT_BF16, a few hundred KB read from cache) keeps its
+  // blocking.
   if (zmm && T >= 2 && T <= 8 && L->layout != LAYOUT_BF16) { rmax = 8; vmax = 1; }
   else if (zmm) { rmax = T <= 6 ? 6 : 8; vmax = rmax <= 6 ? 4 : 3; }
   else { vmax = T <= 1 ? 3 : 1; rmax = T <= 1 ? 1 : 6; }  // AVX2: 16 ymm registers (DISPATCH_AVX2)

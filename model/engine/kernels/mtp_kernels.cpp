@@ -207,8 +207,7 @@ extern "C" int64_t mtp_packed_bytes(int32_t n, int32_t k, int32_t layout) {
 // one pair of blocks is then one sequential stream of 128 bytes a step with two accumulator chains per row.
 // With the blocks one after another (four blocks read side by side: four streams), one row took 1.2x this
 // layout's time and four rows about the same (SmolLM2's layer projections, one thread, Zen 4); docs/DESIGN.md
-// gives the figures. Block b's step j is at
-// pair_block(w, k2, nb, b, &js) + j * js elements.
+// gives the figures. Block b's step j is at pair_block(w, k2, nb, b, &js) + j * js elements.
 static inline const uint16_t* pair_block(const void* w, int64_t k2, int64_t nb, int64_t b, int64_t* js) {
   const int64_t g = b / 2;
   *js = (2 * g + 2 <= nb ? 2 : 1) * 32;
