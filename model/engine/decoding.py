@@ -236,7 +236,7 @@ class Decoder:
         draft_probs = None if self.draft_probs is None else self.draft_probs[:layout.drafts]
         try:
             if self.sampler is None:
-                greedy, conf = propose(logits, lm.mask_token_id)
+                greedy, conf = propose(logits, lm.mask_token_id, lm.backend_of(self.cache))
             else:
                 logits = check_finite(logits.float())
                 probs = self.sampling.probabilities(logits, lm.mask_token_id)

@@ -262,7 +262,7 @@ class LoadedModel:
     def _library(self) -> LibraryForward:
         return LibraryForward(self.model, self.adapter, bool(self._fast.adapter_off), self.dtype, self.device)
 
-    def _backend_of(self, cache: Any) -> Any:
+    def backend_of(self, cache: Any) -> Any:
         """The backend that owns ``cache`` (a fast-path ``KVCache`` names its engine; anything else is the library's).
 
         Raises:
@@ -311,9 +311,9 @@ class LoadedModel:
         """
         if not inputs:
             raise ValueError("forward_batch needs at least one sequence")
-        backend = self._backend_of(inputs[0].cache)
+        backend = self.backend_of(inputs[0].cache)
         for p in inputs[1:]:
-            if type(self._backend_of(p.cache)) is not type(backend):
+            if type(self.backend_of(p.cache)) is not type(backend):
                 raise ValueError("forward_batch: every cache must come from the same backend")
         if isinstance(backend, LibraryForward):
             return backend.forward_batch(inputs)
@@ -328,7 +328,7 @@ class LoadedModel:
         Raises:
             RuntimeError: a cache of another model.
         """
-        return serial_torch() if self._backend_of(cache).kind == "kernels" else contextlib.nullcontext()
+        return serial_torch() if self.backend_of(cache).kind == "kernels" else contextlib.nullcontext()
 
     def forward(self, input_ids: torch.Tensor, past_key_values: Any, num_masks: int, logits_to_keep: int,
                 positions: Sequence[int] | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,6 +5,7 @@ checks before them (:func:`check_context_budget`, :func:`check_finite`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -48,26 +49,35 @@ def check_finite(logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def propose(logits: torch.Tensor, mask_token_id: int) -> tuple[list[int], list[float]]:
+def propose(logits: torch.Tensor, mask_token_id: int, backend: Any = None) -> tuple[list[int], list[float]]:
     """Greedy proposals and their confidences for each position of one pass.
 
     Args:
         logits: ``[T, V]`` logits (any float dtype) at the positions that propose.
         mask_token_id: never proposed.
+        backend: the backend that computed the pass (:meth:`LoadedModel.backend_of`); ours computes the proposals
+            of CPU float32 / bfloat16 logits in C (:meth:`~model.engine.kernel_forward.KernelForward.propose`).
 
     Returns:
-        ``(tokens, confidences)``: ``T`` greedy ids and their top-1 probabilities (float32 softmax
-        over the vocabulary without the mask token).
+        ``(tokens, confidences)``: ``T`` greedy ids (the first largest logit of each row) and their top-1
+        probabilities (float32 softmax over the vocabulary without the mask token).
 
     Raises:
         NonFiniteLogitsError: a NaN or infinite logit (the softmax would be meaningless).
     """
-    logits = logits.float()
-    logits[:, mask_token_id] = float("-inf")
-    conf, tokens = torch.softmax(logits, dim=-1).max(dim=-1)
-    if not bool(torch.isfinite(conf).all()):  # a NaN or +inf logit makes its row's softmax NaN
-        check_finite(logits.masked_fill(torch.isneginf(logits), 0.0))  # says where; -inf alone is a masked logit
-    return tokens.tolist(), conf.tolist()
+    fast = getattr(backend, "propose", None)
+    if fast is not None and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16):
+        tokens, conf = fast(logits, mask_token_id)
+    else:
+        masked = logits.to(torch.float32, copy=True)
+        masked[:, mask_token_id] = float("-inf")
+        tokens = masked.argmax(dim=-1).tolist()  # torch.max / argmax: the first of equal maxima
+        conf = torch.softmax(masked, dim=-1).amax(dim=-1).tolist()
+    if not all(math.isfinite(c) for c in conf):  # a NaN or +inf logit makes its row's softmax NaN
+        masked = logits.to(torch.float32, copy=True)
+        masked[:, mask_token_id] = float("-inf")
+        check_finite(masked.masked_fill(torch.isneginf(masked), 0.0))  # says where; -inf alone is a masked logit
+    return tokens, conf
 
 
 @dataclass

@@ -55,9 +55,9 @@ def test_kernel_steps_run_torch_serially_and_the_kernels_on_every_thread(base_to
     proposing: list[int] = []  # torch's count while a step picks its proposals from the logits
     from model.engine import decoding
 
-    def propose(logits, mask_token_id):
+    def propose(logits, mask_token_id, backend=None):
         proposing.append(torch.get_num_threads())
-        return decoding_propose(logits, mask_token_id)
+        return decoding_propose(logits, mask_token_id, backend)
 
     decoding_propose = decoding.propose
     monkeypatch.setattr(decoding, "propose", propose)

@@ -74,6 +74,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mtp_forward_batch.restype = ctypes.c_int
     lib.mtp_amx_built.restype = lib.mtp_amx_init.restype = lib.mtp_selftest.restype = i32
     lib.mtp_selftest.argtypes = [i32]
+    lib.mtp_propose.argtypes, lib.mtp_propose.restype = [vp, i32, i32, i64, i64, i64, vp, vp, i32], i32
     return lib
 
 

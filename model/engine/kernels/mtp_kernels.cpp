@@ -250,6 +250,7 @@ extern "C" void mtp_pack_weight(const void* src, int32_t src_dtype, int32_t n, i
 #include "mtp_threads.h"
 #include "mtp_elementwise.h"
 #include "mtp_pass.h"
+#include "mtp_propose.h"
 
 // ------------------------------------------------------------------------------------------------ self-check
 // The projection kernels of path isa on a fixed bf16 weight [72, 72] (five column blocks, the last partial; 36
