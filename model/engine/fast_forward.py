@@ -54,6 +54,7 @@ class RotaryTable:
         self.rotary, self.head_dim, self.dtype, self.device = rotary, head_dim, dtype, device
         self.max_positions = max_positions
         self._cos = self._sin = None
+        self._f32: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __call__(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin')`` ``[T, head_dim]`` in the dtype for ``position_ids`` ``[T]``; ``sin'`` has its first half
@@ -69,6 +70,16 @@ class RotaryTable:
             self._cos = cos[0].contiguous()
             self._sin = torch.cat((-sin[0][:, :half], sin[0][:, half:]), -1).contiguous()
         return self._cos[position_ids], self._sin[position_ids]
+
+    def rows_float32(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin')`` of the consecutive positions ``start .. end - 1``, float32 ``[end - start, head_dim]``:
+        views of one float32 copy of the table (made when the table grows), so a pass costs no copy. The values
+        of ``self(torch.arange(start, end))`` widened to float32."""
+        if self._cos is None or end > self._cos.shape[0]:
+            self(torch.tensor([end - 1]))
+        if self._f32 is None or self._f32[0].shape[0] != self._cos.shape[0]:
+            self._f32 = (self._cos.float(), self._sin.float())
+        return self._f32[0][start:end], self._f32[1][start:end]
 
 
 class FastForward:

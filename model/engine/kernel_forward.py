@@ -130,6 +130,7 @@ class KernelForward:
             raise Unsupported(f"head_dim {read.head_dim}")
         self.source, self.isa, self.lib, self.emulated = model, isa, lib, emulated
         self.device, self.dtype, dtype = read.device, read.dtype, read.dtype
+        self.logits_dtype = dtype  # the kernel stores a pass's logits in it (float32 is allowed for any model)
         self.kv_heads, self.head_dim, self.num_layers = read.kv_heads, read.head_dim, len(read.layers)
         self.max_positions = read.max_positions
         self.rotary_table = RotaryTable(read.rotary, read.head_dim, dtype, read.device, self.max_positions)
@@ -280,9 +281,10 @@ class KernelForward:
             rows = min(p.adapter_rows, t) if self.has_adapter else 0
             table = self.adapter_embed if rows and self.adapter_embed is not None else self.embed
             xs.append(F.embedding(ids, table).float())
-            pid = torch.arange(pos, pos + t) if p.positions is None else torch.tensor(list(p.positions),
-                                                                                      dtype=torch.long) + pos
-            c, sn = self._rope(pid)
+            if p.positions is None:  # consecutive positions: rows of the float32 table, no copy
+                c, sn = self.rotary_table.rows_float32(pos, pos + t)
+            else:
+                c, sn = self._rope(torch.tensor(list(p.positions), dtype=torch.long) + pos)
             coss.append(c)
             sins.append(sn)
             adapter += [0] * (t - rows) + [1] * rows
@@ -296,11 +298,9 @@ class KernelForward:
             caps.append(cache.capacity)
             caches.append(cache)
         n = len(inputs)
-        x = torch.cat(xs).contiguous()
-        cos, sin = torch.cat(coss).contiguous(), torch.cat(sins).contiguous()
-        L = self.num_layers
-        kp = (ctypes.c_void_p * (n * L))(*[k.data_ptr() for c in caches for k in c.k])
-        vp = (ctypes.c_void_p * (n * L))(*[v.data_ptr() for c in caches for v in c.v])
+        x = xs[0] if n == 1 else torch.cat(xs)
+        cos, sin = (coss[0], sins[0]) if n == 1 else (torch.cat(coss), torch.cat(sins))
+        kp, vp = self._kv_pointers(caches)
         row0_a = (ctypes.c_int32 * (n + 1))(*row0)
         pos_a, cap_a = (ctypes.c_int64 * n)(*poss), (ctypes.c_int64 * n)(*caps)
         vis_a = (ctypes.c_void_p * n)(*[None if v is None else v.data_ptr() for v in vis_bufs])
@@ -309,18 +309,36 @@ class KernelForward:
         b = K.Batch(n, ctypes.addressof(row0_a), ctypes.addressof(kp), ctypes.addressof(vp), ctypes.addressof(cap_a),
                     ctypes.addressof(pos_a), ctypes.addressof(vis_a),
                     ctypes.addressof(ad_a) if any(adapter) else None, ctypes.addressof(keep_a), len(keep))
-        logits = torch.empty(len(keep), self.vocab, dtype=torch.float32)
-        rc = self.lib.mtp_forward_batch(ctypes.byref(self.m), x.data_ptr(), row0[-1], ctypes.byref(b), cos.data_ptr(),
-                                        sin.data_ptr(), logits.data_ptr(), threads)
+        logits = torch.empty(len(keep), self.vocab, dtype=self.logits_dtype)
+        rc = self.lib.mtp_forward_batch(ctypes.byref(self.m), x.contiguous().data_ptr(), row0[-1], ctypes.byref(b),
+                                        cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), logits.data_ptr(),
+                                        DTYPES[self.logits_dtype], threads)
         if rc != 0:
             raise RuntimeError(f"our kernels refused this batched pass (code {rc})")
         out, start = [], 0
         for i, k in enumerate(kept):
             caches[i].length = poss[i] + row0[i + 1] - row0[i]
-            part = logits[start:start + k]
-            out.append(part if self.dtype == torch.float32 else part.to(self.dtype))
+            out.append(logits[start:start + k])
             start += k
         return out
+
+    def _kv_pointers(self, caches: Sequence[KVCache]) -> tuple[ctypes.Array, ctypes.Array]:
+        """The K and V tensors' addresses of every layer of every cache, in order (``mtp_batch.kcache`` /
+        ``vcache``). A cache keeps its own pair of arrays until :meth:`KVCache.reserve` moves its tensors."""
+        arrays = []
+        for c in caches:
+            key = (c.capacity, c.k[0].data_ptr())
+            held = getattr(c, "kernel_pointers", None)
+            if held is None or held[0] != key:
+                held = (key, (ctypes.c_void_p * self.num_layers)(*[k.data_ptr() for k in c.k]),
+                        (ctypes.c_void_p * self.num_layers)(*[v.data_ptr() for v in c.v]))
+                c.kernel_pointers = held
+            arrays.append(held)
+        if len(arrays) == 1:
+            return arrays[0][1], arrays[0][2]
+        n = len(arrays) * self.num_layers
+        return ((ctypes.c_void_p * n)(*[p for a in arrays for p in a[1]]),
+                (ctypes.c_void_p * n)(*[p for a in arrays for p in a[2]]))
 
 
 def build_kernel_engine(model: Any) -> KernelForward | None:

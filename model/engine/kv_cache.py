@@ -45,7 +45,8 @@ class KVCache:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.max_capacity = max_capacity
-        self.engine: Any = None  # the FastForward that made this cache
+        self.engine: Any = None  # the backend that made this cache (FastForward or KernelForward)
+        self.kernel_pointers: Any = None  # our kernels' arrays of the K / V addresses (KernelForward._kv_pointers)
         self.length = 0
         cap = capacity if max_capacity is None else min(capacity, max_capacity)
         self.k = [self._empty(cap) for _ in range(num_layers)]

@@ -1,5 +1,6 @@
 """The proposals of a pass (paper 3.4): greedy token and confidence of every row, computed by our kernels
-(``mtp_propose``) and by torch.
+(``mtp_propose``) and by torch; a bf16 model's logits stored by the kernel in bf16; the rotary rows and KV
+cache addresses a pass reuses.
 
 Exact where behaviour is exact: the token is the first largest logit without the mask token on both paths;
 the confidence is a float32 softmax maximum, whose sum our kernel takes in another order (the bound below is
@@ -81,3 +82,51 @@ def test_minus_infinity_alone_is_a_masked_logit(engine):
 def test_a_bad_shape_is_refused_by_the_kernel(engine):
     with pytest.raises(RuntimeError, match="refused"):
         engine.propose(torch.zeros(2, 0), 0)
+
+
+# ------------------------------------------------------------ what a pass reuses
+def test_bf16_logits_are_the_float32_logits_rounded(base_tokenizer, monkeypatch, one_torch_thread):
+    """A bf16 model's logits come out of the kernel in bf16, with no float32 copy: the bits of the same pass's
+    float32 logits rounded to nearest even, as ``Tensor.to`` rounds them."""
+    lm = on_kernels(_tiny(base_tokenizer), RUNNABLE[0], monkeypatch)
+    eng, ids = lm.fast_engine(), torch.tensor([lm.prompt_ids("The lighthouse keeper")])
+    assert eng.logits_dtype == torch.bfloat16
+    with torch.no_grad():
+        bf16 = lm.forward(ids, lm.new_cache(), 0, ids.shape[1])
+        eng.logits_dtype = torch.float32
+        f32 = lm.forward(ids, lm.new_cache(), 0, ids.shape[1])
+    assert bf16.dtype == torch.bfloat16 and f32.dtype == torch.float32
+    assert torch.equal(bf16.view(torch.int16), f32.to(torch.bfloat16).view(torch.int16))
+
+
+def test_rotary_rows_are_the_tables_rows_in_float32(base_tokenizer, monkeypatch):
+    eng = on_kernels(_tiny(base_tokenizer), RUNNABLE[0], monkeypatch).fast_engine()
+    table = eng.rotary_table
+    for start, end in [(0, 1), (5, 9), (250, 262), (600, 601)]:  # 262 and 601 grow the table
+        cos, sin = table.rows_float32(start, end)
+        ref_cos, ref_sin = table(torch.arange(start, end))
+        assert cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+        assert torch.equal(cos, ref_cos.float()) and torch.equal(sin, ref_sin.float())
+
+
+def test_a_grown_cache_is_read_at_its_new_address(base_tokenizer, monkeypatch, one_torch_thread):
+    """A pass that outgrows the cache's 256 positions moves its tensors; the next passes read and write the new
+    ones (float32: within 1e-4 of transformers' after 300 positions)."""
+    from transformers import DynamicCache
+
+    lm = on_kernels(_tiny(base_tokenizer, dtype=torch.float32), RUNNABLE[0], monkeypatch)
+    m = lm.mask_token_id
+    ids = (lm.prompt_ids(" ".join(["The keeper climbs the stairs and lights the lamp."] * 30)) * 2)[:300]
+    assert len(ids) == 300
+
+    def passes(cache):
+        with torch.no_grad():
+            lm.forward(torch.tensor([ids[:200]]), cache, 0, 1)
+            lm.forward(torch.tensor([ids[200:]]), cache, 0, 1)
+            return lm.forward(torch.tensor([[101] + [m] * 3]), cache, 3, 4).float()
+
+    cache = lm.new_cache()
+    ours = passes(cache)
+    assert cache.capacity > 256 and cache.length == 304
+    lib = passes(DynamicCache(config=lm.model.config))
+    assert float((ours - lib).abs().max()) <= 1e-4 * float(lib.abs().max())

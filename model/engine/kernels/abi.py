@@ -70,7 +70,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mtp_free.argtypes, lib.mtp_free.restype = [vp], None
     lib.mtp_packed_bytes.argtypes, lib.mtp_packed_bytes.restype = [i32, i32, i32], i64
     lib.mtp_pack_weight.argtypes, lib.mtp_pack_weight.restype = [vp, i32, i32, i32, i32, vp], None
-    lib.mtp_forward_batch.argtypes = [ctypes.POINTER(Model), vp, i32, ctypes.POINTER(Batch), vp, vp, vp, i32]
+    lib.mtp_forward_batch.argtypes = [ctypes.POINTER(Model), vp, i32, ctypes.POINTER(Batch), vp, vp, vp, i32, i32]
     lib.mtp_forward_batch.restype = ctypes.c_int
     lib.mtp_amx_built.restype = lib.mtp_amx_init.restype = lib.mtp_selftest.restype = i32
     lib.mtp_selftest.argtypes = [i32]

@@ -154,9 +154,33 @@ TGT2 static void silu_mul(const float* gu, int64_t ld, int T, int inter, int64_t
 static int forward_batch(const mtp_model* M, float* x, int32_t T, const mtp_batch* B, const float* cos,
                          const float* sin_f, float* logits, int32_t nt);
 
+// n floats that hold bf16 values (the logits of a bf16 model) stored as bf16, 8 at a time (round_bf16's bits).
+TGT2 static void store_bf16_row(const float* src, uint16_t* dst, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256i b = _mm256_srli_epi32(round_bf16_bits8(_mm256_loadu_ps(src + j)), 16);
+    _mm_storeu_si128((__m128i*)(dst + j), _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+  }
+  for (; j < n; j++) dst[j] = f32_to_bf16(src[j]);
+}
+
+// logits: [B->nkeep, V] in logits_dtype: DT_F32 (float32), or DT_BF16 for a bf16 model (its logits are bf16
+// values: stored as they are, with no copy through float32 in the caller).
 extern "C" int mtp_forward_batch(const mtp_model* M, float* x, int32_t T, const mtp_batch* B, const float* cos,
-                                 const float* sin_f, float* logits, int32_t nt) {
-  const int rc = forward_batch(M, x, T, B, cos, sin_f, logits, nt);
+                                 const float* sin_f, void* logits, int32_t logits_dtype, int32_t nt) {
+  if (logits_dtype != DT_F32 && (logits_dtype != DT_BF16 || M->dtype != DT_BF16)) return 3;
+  static thread_local Scratch s_logits;
+  const int64_t V = M->head.n, n = (int64_t)B->nkeep * V;
+  float* out = logits_dtype == DT_F32 ? (float*)logits : s_logits.get(n);
+  int rc = forward_batch(M, x, T, B, cos, sin_f, out, nt);
+  if (rc == 0 && logits_dtype == DT_BF16)
+    parallel(nt, [&](int tid, int n_threads) {  // each thread its share of the columns, every row
+      int64_t b0, b1;
+      share(cdiv(V, 16), tid, n_threads, &b0, &b1);
+      const int64_t c0 = b0 * 16, c1 = b1 * 16 < V ? b1 * 16 : V;
+      for (int i = 0; i < B->nkeep && c0 < c1; i++)
+        store_bf16_row(out + i * V + c0, (uint16_t*)logits + i * V + c0, c1 - c0);
+    });
   trim_scratch();
   return rc;
 }
