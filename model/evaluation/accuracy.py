@@ -18,14 +18,13 @@ line). For every strategy it reports
 
 Strategies run one after another on each problem, so they share the machine's state evenly.
 :func:`write_figure` draws the Plotly Pareto figure (accuracy vs effective k) as ``.html`` and ``.png``.
+The summaries, saved reports (read, rescored, merged) and the table are :mod:`model.evaluation.accuracy_report`'s
+(re-exported here).
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,63 +38,20 @@ from ..engine.decoding import GenerationResult, run
 from ..engine.loaded_model import LoadedModel
 from ..engine.sampling import GREEDY, Sampling, for_request
 from ..engine.scoring import teacher_nll
-from ..engine.strategies import Strategy, check_max_new_tokens, resolve_strategy, standard
-from ..errors import DataError
+from ..engine.strategies import Strategy, check_max_new_tokens, standard
+from .accuracy_report import (MERGE_KEYS, draft_metrics, format_table, merge_reports, read_report, rescore,
+                              summarize)
 from .gsm8k import extract_answer, is_correct, make_prompt
+
+__all__ = ["DEFAULT_STRATEGIES", "evaluate", "pareto_figure", "write_figure",
+           # re-exported from .accuracy_report, where they live
+           "MERGE_KEYS", "draft_metrics", "format_table", "merge_reports", "read_report", "rescore", "summarize"]
 
 DEFAULT_STRATEGIES = (
     "standard,static:2,static:3,static:4,confadapt:0.95,confadapt:0.9,confadapt:0.8,confadapt:0.7,verify")
 CHROMIUM = "/usr/bin/chromium"
 PNG_TIMEOUT_S = 90.0  # one export takes ~3 s; a browser that never answers must not hang an evaluation
 _PNG_EXPORT = "import sys, plotly.io as pio; pio.read_json(sys.argv[1]).write_image(sys.argv[2])"
-
-
-def _stderr(p: float, n: int) -> float:
-    return math.sqrt(p * (1 - p) / n) if n > 0 else 0.0
-
-
-def summarize(strategy: Strategy, records: list[dict]) -> dict:
-    """Aggregate the per-problem records of one strategy (see the module docstring for fields)."""
-    n = len(records)
-    kept = [k for r in records for k in r["kept_per_pass"]]
-    tokens = sum(r["new_tokens"] for r in records)
-    seconds = sum(r["seconds"] for r in records)
-    nll_tokens = sum(r["nll_tokens"] for r in records)
-    acc = sum(r["correct"] for r in records) / n if n else 0.0
-    out = {
-        "strategy": strategy.spec, "label": strategy.label, "name": strategy.name, "k_max": strategy.k_max,
-        "k": strategy.k, "tau": strategy.tau, "n": n,
-        "accuracy": acc, "accuracy_stderr": _stderr(acc, n),
-        "effective_k_mean": statistics.fmean(kept) if kept else 0.0,
-        "effective_k_std": statistics.pstdev(kept) if len(kept) > 1 else 0.0,
-        "forward_passes": len(kept), "new_tokens": tokens, "seconds": seconds,
-        "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
-        "nll_teacher": sum(r["nll_sum"] for r in records) / nll_tokens if nll_tokens else None,
-        "agreement_with_standard": sum(r["same_as_standard"] for r in records) / n if n else 0.0,
-        "agreement_with_base": sum(r["same_as_base"] for r in records) / n if n else 0.0,
-        "answer_agreement_with_standard": sum(r["same_answer_as_standard"] for r in records) / n if n else 0.0,
-    }
-    out.update(draft_metrics([d for r in records for d in r.get("drafts_per_pass", [])]))
-    return out
-
-
-def draft_metrics(drafts: Sequence[Sequence[int]]) -> dict:
-    """Verification's acceptance figures, as vLLM and llama.cpp name them, from ``(proposed, accepted)``
-    per pass that fed drafts (:attr:`~model.engine.decoding.PassRecord.counted_drafts`):
-    ``draft_acceptance_rate`` (accepted / proposed drafts) and ``acceptance_by_position`` (per draft
-    position, the share of passes that proposed it in which it was accepted). The mean acceptance length
-    is ``effective_k_mean``. Empty dict without drafts."""
-    if not drafts:
-        return {}
-    proposed = sum(n for n, _ in drafts)
-    accepted = sum(a for _, a in drafts)
-    width = max(n for n, _ in drafts)
-    by_pos = []
-    for j in range(width):
-        seen = [a for n, a in drafts if n > j]
-        by_pos.append(sum(a > j for a in seen) / len(seen))
-    return {"drafts_proposed": proposed, "drafts_accepted": accepted,
-            "draft_acceptance_rate": accepted / proposed if proposed else None, "acceptance_by_position": by_pos}
 
 
 def evaluate(
@@ -137,12 +93,7 @@ def evaluate(
     check_max_new_tokens(max_new_tokens)
     if not problems:
         raise ValueError("No problems to evaluate.")
-    strategies = list(strategies)
-    if standard() not in strategies:
-        strategies.insert(0, standard())
-    else:  # standard first: the others compare with it
-        strategies.remove(standard())
-        strategies.insert(0, standard())
+    strategies = _standard_first(strategies)
     has_adapter = lm.adapter is not None
     base_lm = lm.without_adapter() if has_adapter else None
 
@@ -154,28 +105,15 @@ def evaluate(
     for i, prob in enumerate(problems):
         draw = for_request(sampling or GREEDY, i)
         prompt_ids = lm.prompt_ids(make_prompt(prob["question"], step_by_step))
+        base_rec, results = _problem_records(lm, base_lm, strategies, prompt_ids, prob["gold"], max_new_tokens, draw,
+                                             bar)
         row: dict[str, Any] = {"index": prob["index"], "question": prob["question"], "gold": prob["gold"],
-                               "prompt_tokens": len(prompt_ids), "results": {}}
-        base_text: str | None = None
-        if base_lm is not None:
-            with lm.base_model():
-                res = run(base_lm, prompt_ids, standard(), max_new_tokens, draw)
-            base_text = res.text
-            rec = _record(lm, prompt_ids, res, prob["gold"], None, base_text)
-            rec["same_as_standard"] = rec["same_answer_as_standard"] = True
-            base_records.append(rec)
-            row["base_standard"] = rec
-            bar.update()
-        std_text = std_answer = None
-        for s in strategies:
-            res = run(lm, prompt_ids, s, max_new_tokens, draw)
-            if s.name == "standard":
-                std_text, std_answer = res.text, extract_answer(res.text)
-            rec = _record(lm, prompt_ids, res, prob["gold"], (std_text, std_answer),
-                          base_text if base_text is not None else std_text)
-            per_strategy[s.spec].append(rec)
-            row["results"][s.spec] = rec
-            bar.update()
+                               "prompt_tokens": len(prompt_ids), "results": dict(results)}
+        if base_rec is not None:
+            base_records.append(base_rec)
+            row["base_standard"] = base_rec
+        for spec, rec in results:
+            per_strategy[spec].append(rec)
         problem_rows.append(row)
         if on_problem is not None:
             on_problem(_report(lm, strategies, per_strategy, base_records, problem_rows, max_new_tokens,
@@ -183,6 +121,43 @@ def evaluate(
     bar.close()
     return _report(lm, strategies, per_strategy, base_records, problem_rows, max_new_tokens, step_by_step,
                    len(problems), sampling or GREEDY)
+
+
+def _standard_first(strategies: Sequence[Strategy]) -> list[Strategy]:
+    """``strategies`` as a new list with standard decoding first (added when missing)."""
+    strategies = list(strategies)
+    if standard() not in strategies:
+        strategies.insert(0, standard())
+    else:  # standard first: the others compare with it
+        strategies.remove(standard())
+        strategies.insert(0, standard())
+    return strategies
+
+
+def _problem_records(lm: LoadedModel, base_lm: LoadedModel | None, strategies: list[Strategy], prompt_ids: list[int],
+                     gold: str, max_new_tokens: int, draw: Sampling,
+                     bar: Any) -> tuple[dict | None, list[tuple[str, dict]]]:
+    """One problem's generations, scored (:func:`_record`): standard decoding of the base with the adapter off
+    (None without ``base_lm``), then ``(spec, record)`` of each strategy in order (standard first: the others
+    compare with it). ``bar`` advances after every generation."""
+    base_rec = base_text = None
+    if base_lm is not None:
+        with lm.base_model():
+            res = run(base_lm, prompt_ids, standard(), max_new_tokens, draw)
+        base_text = res.text
+        base_rec = _record(lm, prompt_ids, res, gold, None, base_text)
+        base_rec["same_as_standard"] = base_rec["same_answer_as_standard"] = True
+        bar.update()
+    results = []
+    std_text = std_answer = None
+    for s in strategies:
+        res = run(lm, prompt_ids, s, max_new_tokens, draw)
+        if s.name == "standard":
+            std_text, std_answer = res.text, extract_answer(res.text)
+        results.append((s.spec, _record(lm, prompt_ids, res, gold, (std_text, std_answer),
+                                        base_text if base_text is not None else std_text)))
+        bar.update()
+    return base_rec, results
 
 
 def _report(lm: LoadedModel, strategies: list[Strategy], per_strategy: dict[str, list[dict]],
@@ -220,97 +195,6 @@ def _record(lm: LoadedModel, prompt_ids: list[int], res: GenerationResult, gold:
         "same_answer_as_standard": extracted == std_answer,
         "same_as_base": res.text == base_text,
     }
-
-
-def read_report(path: str | Path) -> dict:
-    """A report as :func:`evaluate` returns it and ``model.evaluate --out`` writes it (JSON).
-
-    Raises:
-        DataError: a file that cannot be read, or is not JSON (naming ``path:line:column``).
-    """
-    try:
-        return json.loads(Path(path).read_text())
-    except OSError as e:
-        raise DataError(f"{path}: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{e.lineno}:{e.colno}: not a report written by model.evaluate --out "
-                        f"(not valid JSON: {e.msg}).") from None
-    except UnicodeDecodeError:
-        raise DataError(f"{path}: not a report written by model.evaluate --out (not UTF-8 text).") from None
-
-
-def rescore(report: dict) -> dict:
-    """Re-extract every saved answer with the current extractor and recompute the summaries.
-
-    Generation-dependent fields (texts, passes, seconds, NLL, text agreement) are kept; the
-    ``extracted``, ``correct`` and ``same_answer_as_standard`` fields and the accuracies are
-    recomputed. Modifies and returns ``report`` (a dict written by :func:`main`).
-
-    Raises:
-        ValueError: the dict is not an evaluation report.
-    """
-    if not isinstance(report, dict) or "problems" not in report or "strategies" not in report:
-        raise ValueError("Not an evaluation report (needs 'problems' and 'strategies').")
-    for row in report["problems"]:
-        std = row["results"].get("standard")
-        for rec in list(row["results"].values()) + ([row["base_standard"]] if row.get("base_standard") else []):
-            rec["extracted"] = extract_answer(rec["text"])
-            rec["correct"] = is_correct(rec["extracted"], row["gold"])
-        for rec in row["results"].values():
-            rec["same_answer_as_standard"] = std is not None and rec["extracted"] == std["extracted"]
-    report["strategies"] = [
-        summarize(resolve_strategy(r["strategy"]), [row["results"][r["strategy"]] for row in report["problems"]])
-        for r in report["strategies"]
-    ]
-    if report.get("base_standard"):
-        report["base_standard"] = summarize(standard(), [row["base_standard"] for row in report["problems"]])
-    return report
-
-
-MERGE_KEYS = ("model", "adapter", "dtype", "prompt_format", "max_new_tokens", "step_by_step", "strategies")
-
-
-def merge_reports(reports: Sequence[dict]) -> dict:
-    """One report from shards of one evaluation (e.g. ``--offset 0 --limit 100`` and ``--offset 100
-    --limit 100`` run in two processes): their problems in file order, then :func:`rescore`.
-
-    Args:
-        reports: reports written by ``python -m model.evaluate`` with the same model, adapter, dtype,
-            prompt format, token limit and strategies.
-
-    Returns:
-        A new report whose ``config`` is the first shard's with the problem counts, ``complete``
-        (every shard complete), the shards' ``wall_seconds`` summed, and ``merged_from`` (shard count).
-
-    Raises:
-        ValueError: no reports, something that is not a report, shards that differ in a setting of
-            :data:`MERGE_KEYS` (named), or a problem that two shards both hold (by index).
-    """
-    if not reports:
-        raise ValueError("No reports to merge.")
-    for r in reports:
-        if not isinstance(r, dict) or "problems" not in r or "strategies" not in r or "config" not in r:
-            raise ValueError("Not an evaluation report (needs 'config', 'problems' and 'strategies').")
-    first = reports[0]["config"]
-    for i, r in enumerate(reports[1:], start=2):
-        for key in MERGE_KEYS:
-            if r["config"].get(key) != first.get(key):
-                raise ValueError(f"Report {i} differs from report 1 in {key}: {r['config'].get(key)!r} vs "
-                                 f"{first.get(key)!r}; only shards of one evaluation merge.")
-    rows = [row for r in reports for row in r["problems"]]
-    seen: set[int] = set()
-    for row in rows:
-        if row["index"] in seen:
-            raise ValueError(f"Problem {row['index']} is in two reports; shards must not overlap.")
-        seen.add(row["index"])
-    config = dict(first, n_problems=len(rows), n_requested=sum(r["config"].get("n_requested", 0) for r in reports),
-                  complete=all(r["config"].get("complete", False) for r in reports), merged_from=len(reports))
-    if all("wall_seconds" in r["config"] for r in reports):
-        config["wall_seconds"] = sum(r["config"]["wall_seconds"] for r in reports)
-    merged = {"config": config, "strategies": [dict(s) for s in reports[0]["strategies"]],
-              "base_standard": reports[0].get("base_standard"),
-              "problems": sorted(rows, key=lambda row: row["index"])}
-    return rescore(merged)
 
 
 # --------------------------------------------------------------------------- figure
@@ -406,27 +290,3 @@ def _export_png(figure_json: str, png: Path, env: dict, timeout_s: float) -> str
         return None
     lines = [ln for ln in (err or "").strip().splitlines() if ln.strip()]
     return lines[-1] if lines else f"exit code {proc.returncode}"
-
-
-def _drafts_cell(row: dict) -> str:
-    if row.get("draft_acceptance_rate") is None:
-        return ""
-    return (f"  {row['draft_acceptance_rate']:.2f} ("
-            + " / ".join(f"{x:.2f}" for x in row.get("acceptance_by_position", [])) + ")")
-
-
-def format_table(report: dict) -> str:
-    """The summary as a plain-text table (one row per strategy)."""
-    head = (f"{'strategy':<26} {'acc':>6} {'±se':>6} {'k mean':>7} {'k std':>6} {'tok/s':>7} "
-            f"{'NLL(T)':>7} {'=std':>5} {'=base':>6}  draft acceptance (by position)")
-    lines = [head, "-" * len(head)]
-    rows = list(report["strategies"])
-    if report.get("base_standard"):
-        rows = [dict(report["base_standard"], label="base (adapter off)")] + rows
-    for r in rows:
-        nll = f"{r['nll_teacher']:.3f}" if r["nll_teacher"] is not None else "-"
-        lines.append(
-            f"{r['label']:<26} {r['accuracy']:>6.3f} {r['accuracy_stderr']:>6.3f} {r['effective_k_mean']:>7.2f} "
-            f"{r['effective_k_std']:>6.2f} {r['tokens_per_second']:>7.1f} {nll:>7} "
-            f"{r['agreement_with_standard']:>5.2f} {r['agreement_with_base']:>6.2f}" + _drafts_cell(r))
-    return "\n".join(lines)

@@ -43,7 +43,7 @@ MAX_ROWS = 256
 
 def _serve(lm: Any, req: Sequence[Sequence[int]], strategy: Any, max_new_tokens: int, max_rows: int,
            arrival: str, sampling: Sampling = GREEDY) -> dict:
-    """Serve ``req`` (prompt ids) with ``strategy`` in shared passes; timings, rows and each request's tokens
+    r"""Serve ``req`` (prompt ids) with ``strategy`` in shared passes; timings, rows and each request's tokens
     (request ``i`` sampled with :func:`~model.engine.sampling.for_request`\ ``(sampling, i)``)."""
     n = len(req)
     runner = BatchRunner(lm, max_rows=max_rows, max_sessions=max(n, 1))
@@ -143,35 +143,43 @@ def concurrency_bench(lm: Any, prompts: Sequence[str], strategies: Sequence[Any]
             for k in range(rounds):
                 for s in strategies[k % len(strategies):] + strategies[: k % len(strategies)]:
                     outs[s.spec].append(_serve(lm, req, s, max_new_tokens, max_rows, arrival, sampling))
-            group = []
-            for s in strategies:
-                runs = outs[s.spec]
-                per_req = [x for o in runs for x in o["per_request"]]
-                aggs = [o["tokens"] / o["seconds"] for o in runs]
-                group.append({
-                    "concurrency": n, "arrival": arrival, "strategy": s.spec, "repeats": rounds,
-                    "aggregate_tokens_per_second": statistics.median(aggs),
-                    "aggregate_tokens_per_second_rounds": aggs,
-                    "aggregate_tokens_per_cpu_second": statistics.median(
-                        o["tokens"] / o["cpu_seconds"] for o in runs if o["cpu_seconds"] > 0) if any(
-                        o["cpu_seconds"] > 0 for o in runs) else None,
-                    "median_request_tokens_per_second": statistics.median(per_req) if per_req else 0.0,
-                    "request_tokens_per_second": per_req,
-                    "rows_per_pass": sum(o["rows"] for o in runs) / max(sum(o["passes"] for o in runs), 1),
-                    "passes": runs[0]["passes"], "tokens": sum(o["tokens"] for o in runs),
-                    "seconds": sum(o["seconds"] for o in runs), "errors": sum(o["errors"] for o in runs),
-                    "arrived_at_pass": runs[0]["arrived_at_pass"],
-                    "identical_to_solo": [all(o["generated"][i] == solo[_solo_key(s, i, len(ids), sampling)]
-                                              for o in runs) for i in range(n)],
-                })
-            std = next((r for r in group if r["strategy"] == "standard"), None)
-            for r in group:
-                r["ratio_to_standard"] = (r["aggregate_tokens_per_second"] / std["aggregate_tokens_per_second"]
-                                          if std else None)
-                cpu, std_cpu = r["aggregate_tokens_per_cpu_second"], std and std["aggregate_tokens_per_cpu_second"]
-                r["ratio_to_standard_cpu"] = cpu / std_cpu if cpu and std_cpu else None
-            rows_out += group
+            rows_out += _group_rows(n, arrival, strategies, outs, rounds, solo, len(ids), sampling)
     return rows_out
+
+
+def _group_rows(n: int, arrival: str, strategies: Sequence[Any], outs: dict[str, list[dict]], rounds: int,
+                solo: dict[tuple, list[int]], prompts: int, sampling: Sampling) -> list[dict]:
+    """The rows of one (level, arrival mode) group, one per strategy (:func:`concurrency_bench`'s Returns):
+    ``outs`` holds each strategy's :func:`_serve` results by spec, one per round; ``solo`` the solo runs' tokens
+    by :func:`_solo_key`; ``prompts`` the number of distinct prompts."""
+    group = []
+    for s in strategies:
+        runs = outs[s.spec]
+        per_req = [x for o in runs for x in o["per_request"]]
+        aggs = [o["tokens"] / o["seconds"] for o in runs]
+        group.append({
+            "concurrency": n, "arrival": arrival, "strategy": s.spec, "repeats": rounds,
+            "aggregate_tokens_per_second": statistics.median(aggs),
+            "aggregate_tokens_per_second_rounds": aggs,
+            "aggregate_tokens_per_cpu_second": statistics.median(
+                o["tokens"] / o["cpu_seconds"] for o in runs if o["cpu_seconds"] > 0) if any(
+                o["cpu_seconds"] > 0 for o in runs) else None,
+            "median_request_tokens_per_second": statistics.median(per_req) if per_req else 0.0,
+            "request_tokens_per_second": per_req,
+            "rows_per_pass": sum(o["rows"] for o in runs) / max(sum(o["passes"] for o in runs), 1),
+            "passes": runs[0]["passes"], "tokens": sum(o["tokens"] for o in runs),
+            "seconds": sum(o["seconds"] for o in runs), "errors": sum(o["errors"] for o in runs),
+            "arrived_at_pass": runs[0]["arrived_at_pass"],
+            "identical_to_solo": [all(o["generated"][i] == solo[_solo_key(s, i, prompts, sampling)]
+                                      for o in runs) for i in range(n)],
+        })
+    std = next((r for r in group if r["strategy"] == "standard"), None)
+    for r in group:
+        r["ratio_to_standard"] = (r["aggregate_tokens_per_second"] / std["aggregate_tokens_per_second"]
+                                  if std else None)
+        cpu, std_cpu = r["aggregate_tokens_per_cpu_second"], std and std["aggregate_tokens_per_cpu_second"]
+        r["ratio_to_standard_cpu"] = cpu / std_cpu if cpu and std_cpu else None
+    return group
 
 
 def concurrency_report(rows: Sequence[dict], **config: Any) -> dict:

@@ -134,6 +134,13 @@ def score_agreement(setup: Setup, model: Any, seqs: Sequence[Sequence[int]], sta
                 row[f"right{t}"] += right
         rows.extend(per[b] for b in range(len(bs)) if per[b]["blocks"])
     model.train(was_training)
+    return _agreement_figures(rows, by_block, calib, k=k, spacing=spacing, taus=taus)
+
+
+def _agreement_figures(rows: list[dict], by_block: dict[int, list], calib: _Calibration, *, k: int, spacing: int,
+                       taus: Sequence[float]) -> dict:
+    """:func:`score_agreement`'s result from its counts: ``rows`` (sums per sequence), ``by_block`` (per mask
+    position ``[agree, match, n]``) and the calibration counts."""
     n = sum(r["n"] for r in rows)
     blocks = sum(r["blocks"] for r in rows)
     res: dict[str, Any] = {"sequences": len(rows), "positions": n, "blocks": blocks, "k": k, "spacing": spacing}
