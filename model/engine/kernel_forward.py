@@ -257,7 +257,8 @@ class KernelForward:
         whatever the other sequences.
 
         Returns:
-            One ``[logits_rows_i, V]`` logits tensor per input (model dtype); each cache extended by ``T_i`` entries.
+            One ``[logits_rows_i, V]`` logits tensor per input (in ``logits_dtype``, the model's dtype); each cache
+            extended by ``T_i`` entries.
 
         Raises:
             ValueError: no inputs, or a cache of another engine; RuntimeError: the kernel refused the shapes.
@@ -298,8 +299,10 @@ class KernelForward:
             caps.append(cache.capacity)
             caches.append(cache)
         n = len(inputs)
-        x = xs[0] if n == 1 else torch.cat(xs)
+        # held by name until the call: the kernel reads (and writes x) at these addresses
+        x = (xs[0] if n == 1 else torch.cat(xs)).contiguous()
         cos, sin = (coss[0], sins[0]) if n == 1 else (torch.cat(coss), torch.cat(sins))
+        cos, sin = cos.contiguous(), sin.contiguous()
         kp, vp = self._kv_pointers(caches)
         row0_a = (ctypes.c_int32 * (n + 1))(*row0)
         pos_a, cap_a = (ctypes.c_int64 * n)(*poss), (ctypes.c_int64 * n)(*caps)
@@ -310,9 +313,8 @@ class KernelForward:
                     ctypes.addressof(pos_a), ctypes.addressof(vis_a),
                     ctypes.addressof(ad_a) if any(adapter) else None, ctypes.addressof(keep_a), len(keep))
         logits = torch.empty(len(keep), self.vocab, dtype=self.logits_dtype)
-        rc = self.lib.mtp_forward_batch(ctypes.byref(self.m), x.contiguous().data_ptr(), row0[-1], ctypes.byref(b),
-                                        cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), logits.data_ptr(),
-                                        DTYPES[self.logits_dtype], threads)
+        rc = self.lib.mtp_forward_batch(ctypes.byref(self.m), x.data_ptr(), row0[-1], ctypes.byref(b), cos.data_ptr(),
+                                        sin.data_ptr(), logits.data_ptr(), DTYPES[self.logits_dtype], threads)
         if rc != 0:
             raise RuntimeError(f"our kernels refused this batched pass (code {rc})")
         out, start = [], 0
