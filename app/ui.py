@@ -172,8 +172,11 @@ def _ask_and_controls(page: Page, c: SimpleNamespace) -> None:
     with gr.Row(elem_id="controls"):
         c.strategy = gr.Radio(list(STRATEGY_CHOICES), value="ConfAdapt", label="MTP strategy (right pane)",
                               elem_id="strategy", scale=3, min_width=240)
-        c.tau = unchecked_slider(0, 1, 0.01, value=DEFAULT_TAU, label="tau (0 to 1)", elem_id="tau", min_width=160,
-                                 scale=2, info="ConfAdapt threshold")
+        # shown and hidden through its column: an update of the slider itself would make Gradio rebuild it without
+        # unchecked_slider's preprocess (a number past an end then failed the event with a 500 and a traceback)
+        with gr.Column(scale=2, min_width=160, elem_id="tau-column") as c.tau_column:
+            c.tau = unchecked_slider(0, 1, 0.01, value=DEFAULT_TAU, label="tau (0 to 1)", elem_id="tau",
+                                     info="ConfAdapt threshold")
         c.k_max = gr.Number(page.default_k_max, label=f"k_max (1 to {APP_MAX_K_MAX})", elem_id="k-max", min_width=100,
                             scale=1, info="proposals per pass (lossless: the upper bound)")
         c.k = gr.Number(DEFAULT_STATIC_K, label=f"k (1 to {APP_MAX_K_MAX})", elem_id="k", min_width=100, scale=1,
@@ -309,7 +312,7 @@ def _wire(page: Page, c: SimpleNamespace) -> None:
     c.stop.click(page.stop, None, c.notice, **quiet)
     c.clear.click(page.clear, c.strategy, outputs[1:], **quiet)
     controls = [c.strategy, c.model_key, c.k_max, c.shape, c.tau]
-    c.strategy.change(page.on_strategy, controls, [c.tau, c.k_max, c.k, c.shape, c.strategy_help, c.tradeoff],
+    c.strategy.change(page.on_strategy, controls, [c.tau_column, c.k_max, c.k, c.shape, c.strategy_help, c.tradeoff],
                       **quiet)
     for box in (c.k_max, c.shape):
         box.change(page.on_controls, controls, [c.strategy_help, c.tradeoff], **quiet)
@@ -332,7 +335,8 @@ def unchecked_slider(lo: float, hi: float, step: float, **kwargs: Any) -> gr.Sli
     past an end as a toast over the controls, on every ``change`` of the box; the slider itself comes back to its
     range, and a value outside it (an API client's) is refused by :mod:`app.requests` in the status line, naming the
     rule and the value. (An instance attribute, not a subclass: Gradio writes a ``.pyi`` file beside the module of
-    every Component subclass.)"""
+    every Component subclass.) No event may update such a slider (``gr.update``): Gradio would rebuild it for the
+    session from its constructor's arguments, without this check's removal; show or hide its container instead."""
     slider = gr.Slider(lo, hi, step=step, **kwargs)
     slider.preprocess = lambda payload: payload  # type: ignore[method-assign]
     return slider

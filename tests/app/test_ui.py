@@ -558,3 +558,20 @@ def test_the_tradeoff_star_follows_the_slider_moved_while_a_turn_answers(tiny_re
     last = dict(zip(ui.TURN_OUTPUTS, list(gen)[-1]))
     names = [t.name for t in last["tradeoff"].data]
     assert "tau 0.5 now" in names and "tau 0.9 now" not in names
+
+
+def test_no_event_updates_an_unchecked_slider(tiny_registry):
+    """tau, the temperature and top-p take a number typed past an end (``unchecked_slider``); an event that updated
+    one would make Gradio rebuild it for the session without that, and a typed 5 then failed with a 500 and a
+    traceback (found after a strategy switch, which showed and hid tau itself). Their containers are updated
+    instead; a number past an end still reaches the app, which says why it refuses it."""
+    from app import build_app
+
+    demo = build_app(tiny_registry, preload=False)
+    unchecked = {"tau", "temperature", "top-p"}
+    found = {b.elem_id for b in demo.blocks.values() if getattr(b, "elem_id", None) in unchecked}
+    assert found == unchecked
+    updated = {(f.name, o.elem_id) for f in demo.fns.values() for o in f.outputs if o.elem_id in unchecked}
+    assert updated == set()
+    tau = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "tau")
+    assert tau.preprocess(5) == 5
