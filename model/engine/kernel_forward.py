@@ -134,8 +134,8 @@ class KernelForward:
         self.kv_heads, self.head_dim, self.num_layers = read.kv_heads, read.head_dim, len(read.layers)
         self.max_positions = read.max_positions
         self.rotary_table = RotaryTable(read.rotary, read.head_dim, dtype, read.device, self.max_positions)
-        # bf16 pairs: vdpbf16ps's operands, and also the AMX tiles' layout
-        self.layout = 0 if dtype == torch.float32 else (2 if isa in ("avx512bf16", "amx") else 1)
+        # bf16 pairs: vdpbf16ps's operands (2, blocks two by two) and the AMX tiles' (3, each block in a row)
+        self.layout = 0 if dtype == torch.float32 else {"avx512bf16": 2, "amx": 3}.get(isa, 1)
         # The adapter's factors of a bf16 model are stored in bf16 and multiplied in float32 (u = x A^T stays
         # float32): half the 39 MB a mask pass reads in float32 (SmolLM2, rank 32: 3.7 -> 2.5 ms for one mask
         # row); the mask rows' argmax equals peft's (float32 factors) on 60 of 60 rows, as with float32 factors.

@@ -52,7 +52,7 @@
 #define TGTAMX __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
 
 enum { ISA_AVX2 = 1, ISA_AVX512BF16 = 2, ISA_AMX = 3 };
-enum { LAYOUT_F32 = 0, LAYOUT_BF16 = 1, LAYOUT_BF16_PAIRS = 2 };
+enum { LAYOUT_F32 = 0, LAYOUT_BF16 = 1, LAYOUT_BF16_PAIRS = 2, LAYOUT_BF16_TILES = 3 };
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
 extern "C" {
@@ -194,12 +194,15 @@ extern "C" void mtp_free(void* p) { free(p); }
 
 // ------------------------------------------------------------------------------------------------ packing
 static inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// The bf16-pair layouts (x as bf16 pairs, pair_block) and the one path isa's weights are packed in.
+static inline bool is_pair_layout(int layout) { return layout == LAYOUT_BF16_PAIRS || layout == LAYOUT_BF16_TILES; }
+static inline int pair_layout(int isa) { return isa == ISA_AMX ? LAYOUT_BF16_TILES : LAYOUT_BF16_PAIRS; }
 
 extern "C" int64_t mtp_packed_bytes(int32_t n, int32_t k, int32_t layout) {
   int64_t nb = cdiv(n, 16);
   if (layout == LAYOUT_F32) return nb * k * 16 * 4;
   if (layout == LAYOUT_BF16) return nb * k * 16 * 2;
-  return nb * cdiv(k, 2) * 32 * 2;  // pairs: [nb / 2][k/2][2][16][2] (pair_block)
+  return nb * cdiv(k, 2) * 32 * 2;  // pairs [nb / 2][k/2][2][16][2] or tiles [nb][k/2][16][2] (pair_block)
 }
 
 // LAYOUT_BF16_PAIRS stores its column blocks two by two, step by step: for the blocks 2g and 2g + 1, step j of
@@ -207,8 +210,15 @@ extern "C" int64_t mtp_packed_bytes(int32_t n, int32_t k, int32_t layout) {
 // one pair of blocks is then one sequential stream of 128 bytes a step with two accumulator chains per row.
 // With the blocks one after another (four blocks read side by side: four streams), one row took 1.2x this
 // layout's time and four rows about the same (SmolLM2's layer projections, one thread, Zen 4); docs/DESIGN.md
-// gives the figures. Block b's step j is at pair_block(w, k2, nb, b, &js) + j * js elements.
-static inline const uint16_t* pair_block(const void* w, int64_t k2, int64_t nb, int64_t b, int64_t* js) {
+// gives the figures. LAYOUT_BF16_TILES, the AMX path's, keeps each block's steps one after another (64 bytes a
+// step): a weight tile is then 1 KB in a row, where the pairs' 128-byte stride made AMX read SmolLM2's layers at
+// 12.9 GB/s against 14.4 this way (one thread, Intel Xeon with AMX). Either layout holds pair j of block b's 16
+// columns as [c][2]. Block b's step j is at pair_block(w, layout, k2, nb, b, &js) + j * js elements.
+static inline const uint16_t* pair_block(const void* w, int layout, int64_t k2, int64_t nb, int64_t b, int64_t* js) {
+  if (layout == LAYOUT_BF16_TILES) {
+    *js = 32;
+    return (const uint16_t*)w + b * k2 * 32;
+  }
   const int64_t g = b / 2;
   *js = (2 * g + 2 <= nb ? 2 : 1) * 32;
   return (const uint16_t*)w + g * 2 * k2 * 32 + (b % 2) * 32;
@@ -238,7 +248,7 @@ extern "C" void mtp_pack_weight(const void* src, int32_t src_dtype, int32_t n, i
         for (int64_t j = 0; j < k; j++) d[j * 16 + slot] = getraw16(i, j);
       } else {
         int64_t k2 = cdiv(k, 2), js;
-        uint16_t* d = (uint16_t*)pair_block(dst, k2, nb, b, &js);
+        uint16_t* d = (uint16_t*)pair_block(dst, layout, k2, nb, b, &js);
         for (int64_t j = 0; j < k; j++) d[(j / 2) * js + c * 2 + (j & 1)] = getraw16(i, j);
       }
     }
@@ -255,8 +265,9 @@ extern "C" void mtp_pack_weight(const void* src, int32_t src_dtype, int32_t n, i
 // ------------------------------------------------------------------------------------------------ self-check
 // The projection kernels of path isa on a fixed bf16 weight [72, 72] (five column blocks, the last partial; 36
 // pairs: two full AMX tiles and a tail of 4) for T = 1..20 rows (a full tile group and a partial one), on 1 and
-// 2 threads, in each layout the path multiplies: its weights' (bf16 pairs; AVX2: bf16) and, on the AVX512 and AMX
-// paths, the adapter's B (bf16 widened to float32, mk_512_bf16w). Returns 0 when every row has the bits of its
+// 2 threads, in each layout the path multiplies: its weights' (AMX: bf16 tiles, AVX512: bf16 pairs, AVX2: bf16),
+// on the AVX512 and AMX paths the other pair layout as well, and the adapter's B (bf16 widened to float32,
+// mk_512_bf16w). Returns 0 when every row has the bits of its
 // one-row result, 2 threads the bits of 1, and each element is within 1e-5 (relative to its sum of |products|) of
 // a float64 reference; else 1, 2 or 3 (the check that failed), 4 when the weight could not be allocated, 5 when
 // the zmm kernel for B differs from the AVX2 kernel it stands in for. kernels/__init__.py runs it once per path.
@@ -311,8 +322,12 @@ static int32_t selftest_layout(int32_t isa, int layout) {
 }
 
 extern "C" int32_t mtp_selftest(int32_t isa) {
-  const int32_t rc = selftest_layout(isa, isa == ISA_AVX2 ? LAYOUT_BF16 : LAYOUT_BF16_PAIRS);
-  return rc != 0 || isa == ISA_AVX2 ? rc : selftest_layout(isa, LAYOUT_BF16);
+  if (isa == ISA_AVX2) return selftest_layout(isa, LAYOUT_BF16);
+  const int own = pair_layout(isa), other = own == LAYOUT_BF16_TILES ? LAYOUT_BF16_PAIRS : LAYOUT_BF16_TILES;
+  const int layouts[] = {own, other, LAYOUT_BF16};
+  for (int layout : layouts)
+    if (const int32_t rc = selftest_layout(isa, layout)) return rc;
+  return 0;
 }
 
 // ------------------------------------------------------------------------------------------------ layout

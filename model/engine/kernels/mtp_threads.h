@@ -177,7 +177,7 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
   float* out = (ldy == ldo && !fused) ? y : s_out.get((int64_t)T * ldo);
   uint32_t* xp = nullptr;
   int64_t ldxp = cdiv(k, 2);
-  if (L->layout == LAYOUT_BF16_PAIRS) {  // activations as bf16 pairs (exact: they hold bf16 values)
+  if (is_pair_layout(L->layout)) {  // activations as bf16 pairs (exact: they hold bf16 values)
     xp = (uint32_t*)s_xp.get((int64_t)T * ldxp);
     for (int t = 0; t < T; t++) {
       uint16_t* d = (uint16_t*)(xp + t * ldxp);
