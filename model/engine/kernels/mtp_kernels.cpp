@@ -211,7 +211,7 @@ extern "C" int64_t mtp_packed_bytes(int32_t n, int32_t k, int32_t layout) {
 // With the blocks one after another (four blocks read side by side: four streams), one row took 1.2x this
 // layout's time and four rows about the same (SmolLM2's layer projections, one thread, Zen 4); docs/DESIGN.md
 // gives the figures. LAYOUT_BF16_TILES, the AMX path's, keeps each block's steps one after another (64 bytes a
-// step): a weight tile is then 1 KB in a row, where the pairs' 128-byte stride made AMX read SmolLM2's layers at
+// step): a weight tile is then 1 KB in a row, where the pairs' 128-byte stride made AMX read SmolLM2's gate/up at
 // 12.9 GB/s against 14.4 this way (one thread, Intel Xeon with AMX). Either layout holds pair j of block b's 16
 // columns as [c][2]. Block b's step j is at pair_block(w, layout, k2, nb, b, &js) + j * js elements.
 static inline const uint16_t* pair_block(const void* w, int layout, int64_t k2, int64_t nb, int64_t b, int64_t* js) {
