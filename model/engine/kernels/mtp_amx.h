@@ -178,7 +178,7 @@ TGTAMX static void mk_amx(const uint16_t* const* w, const int64_t* js, int64_t k
 // configuration; each column group of AMX_GROUP blocks goes through all of them while its weights are in cache),
 // then the remaining rows. Two blocks a group (two streams of 1 KB tiles) read SmolLM2 faster than four: a pass
 // of 1 real + 3 masks 23.9 against 24.5 ms, one token 20.5 against 21.4 (one thread, Intel Xeon with AMX).
-static const int AMX_GROUP = 2;
+static const int AMX_GROUP = 2;  // 1 or 2: a shorter last group is one block
 TGTAMX static void amx_blocks(const mtp_linear* L, int T, const uint32_t* xp, int64_t ldxp, float* out, int64_t ldo,
                               int64_t b0, int64_t b1) {
   const int64_t k2 = cdiv(L->k, 2), kfull = k2 / 16 * 16, nbp = packed_blocks(L);
@@ -189,18 +189,14 @@ TGTAMX static void amx_blocks(const mtp_linear* L, int T, const uint32_t* xp, in
     amx_configure(M);
     for (int64_t b = b0; b < b1; b += AMX_GROUP) {
       const int V = (int)((b1 - b) < AMX_GROUP ? (b1 - b) : AMX_GROUP);
-      const uint16_t* w[4];
-      int64_t js[4];
+      const uint16_t* w[AMX_GROUP];
+      int64_t js[AMX_GROUP];
       for (int v = 0; v < V; v++) w[v] = pair_block(L->w, L->layout, k2, nbp, b + v, &js[v]);
       for (int g = g0; g < g1; g++) {
         const uint32_t* x = xp + (int64_t)g * 16 * ldxp;
         float* o = out + (int64_t)g * 16 * ldo + b * 16;
-        switch (V) {
-          case 1: mk_amx<1>(w, js, k2, x, ldxp, o, ldo); break;
-          case 2: mk_amx<2>(w, js, k2, x, ldxp, o, ldo); break;
-          case 3: mk_amx<3>(w, js, k2, x, ldxp, o, ldo); break;
-          default: mk_amx<4>(w, js, k2, x, ldxp, o, ldo); break;
-        }
+        if (V == AMX_GROUP) mk_amx<AMX_GROUP>(w, js, k2, x, ldxp, o, ldo);
+        else mk_amx<1>(w, js, k2, x, ldxp, o, ldo);  // the last block of an odd count
         if (kfull < k2) amx_tail(w, js, k2, kfull, x, ldxp, M, V, o, ldo);
       }
     }
