@@ -174,13 +174,45 @@ TGTAMX static void mk_amx(const uint16_t* const* w, const int64_t* js, int64_t k
   if (V > 3) AMX_STORE(3, out + 48, ldo * 4);
 }
 
+// What a projection does with its columns as they come out of the tiles (linear's epilogue, run in amx_blocks):
+// weight column c of row t becomes y[t, c] = (sum (+ bias[c])) rounded to the dtype; a column of the adapter's A
+// packed after the weight's (block >= nb) goes to out[t, c] as it is (float32). Element-wise, so the bits are
+// those of rounding a stored sum afterwards; the sums never make a round trip through a buffer the size of the
+// output (at 16 rows, reading that back cost more than rounding it).
+struct Epilogue {
+  float* y;
+  int64_t ldy, n, nb;  // n weight columns in nb blocks
+  const float* bias;
+  int dtype;
+};
+
+// The M x 16 sums of column block b at src (row stride lds) through the epilogue (16 lanes, the last block's
+// columns beyond n masked off).
+TGT512 static void amx_epilogue(const Epilogue* ep, int M, int64_t row0, int64_t b, const float* src, int64_t lds,
+                                float* out, int64_t ldo) {
+  if (b >= ep->nb) {  // A's columns: float32, unrounded
+    for (int r = 0; r < M; r++) memcpy(out + (row0 + r) * ldo + b * 16, src + r * lds, 64);
+    return;
+  }
+  const int64_t c0 = b * 16, cols = ep->n - c0 < 16 ? ep->n - c0 : 16;
+  const __mmask16 k = (__mmask16)((1u << cols) - 1);
+  const __m512 bias = ep->bias ? _mm512_maskz_loadu_ps(k, ep->bias + c0) : _mm512_setzero_ps();
+  for (int r = 0; r < M; r++) {
+    __m512 v = _mm512_loadu_ps(src + r * lds);
+    if (ep->bias) v = _mm512_add_ps(v, bias);
+    _mm512_mask_storeu_ps(ep->y + (row0 + r) * ep->ldy + c0, k, to_dtype16(v, ep->dtype));
+  }
+}
+
 // Column blocks [b0, b1) of a LAYOUT_BF16_TILES weight for T rows: full groups of 16 rows first (one tile
 // configuration; each column group of AMX_GROUP blocks goes through all of them while its weights are in cache),
 // then the remaining rows. Two blocks a group (two streams of 1 KB tiles) read SmolLM2 faster than four: a pass
 // of 1 real + 3 masks 23.9 against 24.5 ms, one token 20.5 against 21.4 (one thread, Intel Xeon with AMX).
 static const int AMX_GROUP = 2;  // 1 or 2: a shorter last group is one block
+// With an epilogue (ep), each group's sums go through a small buffer of its own into ep's output.
 TGTAMX static void amx_blocks(const mtp_linear* L, int T, const uint32_t* xp, int64_t ldxp, float* out, int64_t ldo,
-                              int64_t b0, int64_t b1) {
+                              int64_t b0, int64_t b1, const Epilogue* ep) {
+  alignas(64) float sums[16 * 16 * AMX_GROUP];
   const int64_t k2 = cdiv(L->k, 2), kfull = k2 / 16 * 16, nbp = packed_blocks(L);
   const int full = T / 16, rest = T % 16;
   for (int pass = 0; pass < 2; pass++) {
@@ -194,17 +226,23 @@ TGTAMX static void amx_blocks(const mtp_linear* L, int T, const uint32_t* xp, in
       for (int v = 0; v < V; v++) w[v] = pair_block(L->w, L->layout, k2, nbp, b + v, &js[v]);
       for (int g = g0; g < g1; g++) {
         const uint32_t* x = xp + (int64_t)g * 16 * ldxp;
-        float* o = out + (int64_t)g * 16 * ldo + b * 16;
-        if (V == AMX_GROUP) mk_amx<AMX_GROUP>(w, js, k2, x, ldxp, o, ldo);
-        else mk_amx<1>(w, js, k2, x, ldxp, o, ldo);  // the last block of an odd count
-        if (kfull < k2) amx_tail(w, js, k2, kfull, x, ldxp, M, V, o, ldo);
+        float* o = ep ? sums : out + (int64_t)g * 16 * ldo + b * 16;
+        const int64_t lo = ep ? 16 * AMX_GROUP : ldo;
+        if (V == AMX_GROUP) mk_amx<AMX_GROUP>(w, js, k2, x, ldxp, o, lo);
+        else mk_amx<1>(w, js, k2, x, ldxp, o, lo);  // the last block of an odd count
+        if (kfull < k2) amx_tail(w, js, k2, kfull, x, ldxp, M, V, o, lo);
+        if (ep)
+          for (int v = 0; v < V; v++) amx_epilogue(ep, M, (int64_t)g * 16, b + v, sums + v * 16, lo, out, ldo);
       }
     }
   }
   AMX_RELEASE();
 }
 #else
-static void amx_blocks(const mtp_linear*, int, const uint32_t*, int64_t, float*, int64_t, int64_t, int64_t) { abort(); }
+static void amx_blocks(const mtp_linear*, int, const uint32_t*, int64_t, float*, int64_t, int64_t, int64_t,
+                       const Epilogue*) {
+  abort();
+}
 #endif
 
 // LAYOUT_BF16_PAIRS on the zmm path: each pair of blocks (pair_block) swept once per group of up to 8 rows
@@ -230,13 +268,16 @@ TGT512 static void pair_blocks(const mtp_linear* L, int T, const uint32_t* xp, i
   }
 }
 
-// Column blocks [b0, b1) for all T rows, on the calling thread (one of nt threads sharing the sweep).
+// Column blocks [b0, b1) for all T rows, on the calling thread (one of nt threads sharing the sweep). With ep
+// (the AMX path only: gemm_has_epilogue), the columns go through it instead of into out as sums.
+static inline bool gemm_has_epilogue(const mtp_linear* L, int isa) { return isa == ISA_AMX && is_pair_layout(L->layout); }
 static void gemm_blocks(const mtp_linear* L, int isa, int T, const float* x, int64_t ldx, const uint32_t* xp,
-                        int64_t ldxp, float* out, int64_t ldo, int64_t b0, int64_t b1, int nt) {
+                        int64_t ldxp, float* out, int64_t ldo, int64_t b0, int64_t b1, int nt,
+                        const Epilogue* ep = nullptr) {
   const int64_t k = L->k;
   int vmax, rmax;
   if (is_pair_layout(L->layout)) {
-    if (isa == ISA_AMX) amx_blocks(L, T, xp, ldxp, out, ldo, b0, b1);
+    if (isa == ISA_AMX) amx_blocks(L, T, xp, ldxp, out, ldo, b0, b1, ep);
     else pair_blocks(L, T, xp, ldxp, out, ldo, b0, b1, nt);
     return;
   }

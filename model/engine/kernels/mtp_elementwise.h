@@ -1,4 +1,4 @@
-// Part of mtp_kernels.cpp, included once into that one translation unit: the work around the products on 8 lanes: exp, sums, attention's dot products, norms.
+// Part of mtp_kernels.cpp, included once into that one translation unit: the work around the products: exp, softmax, attention's dot products and weighted values, norms (8 lanes, 16 where the path has AVX512).
 // ------------------------------------------------------------------------------------------------ AVX2 math
 // exp on 8 lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial); |error| ~1 ulp, lane-wise.
 TGT2 static inline __m256 exp8(__m256 x) {
@@ -21,31 +21,69 @@ TGT2 static inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// exp of n floats in place, 8 at a time (a tail is padded: every element goes through the same lanes' code)
-TGT2 static void exp_inplace(float* v, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, exp8(_mm256_loadu_ps(v + i)));
-  if (i < n) {
-    float tmp[8] = {0};
-    for (int64_t j = i; j < n; j++) tmp[j - i] = v[j];
-    _mm256_storeu_ps(tmp, exp8(_mm256_loadu_ps(tmp)));
-    for (int64_t j = i; j < n; j++) v[j] = tmp[j - i];
-  }
+// exp8 on 16 lanes: each lane the same operations (min / max, floor, fused multiply-adds, the exponent's shift), so
+// the same bits.
+TGT512 static inline __m512 exp16(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365447504019f);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 z = _mm512_mul_ps(x, x);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, z, x);
+  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
-// Sum of n floats: 8 lanes over the vector body (tail padded with zeros), then the lanes in a fixed order.
-TGT2 static float sum_lanes(const float* v, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
+// Attention's softmax numerator in place: s[i] = exp(s[i] * scale - m), m the largest scaled score; returns the sum.
+// Every element through exp8's lanes (a tail padded with zeros); the max exact in any order (a NaN score skipped);
+// the sum on 8 lanes in element order, the padded lanes adding zero, then ((0+1)+(2+3))+((4+5)+(6+7)). So a score
+// row's bits depend on its own scores only, never on where its elements fall in the vectors.
+TGT2 static float softmax_unnormalised(float* s, int64_t n, float scale) {
+  const __m256 sv = _mm256_set1_ps(scale);
+  __m256 mv = _mm256_set1_ps(-INFINITY);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(v + i));
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(s + i), sv);
+    _mm256_storeu_ps(s + i, v);
+    mv = _mm256_max_ps(v, mv);  // mv where v is NaN
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, mv);
+  float m = -INFINITY;
+  for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+  for (; i < n; i++) {
+    s[i] *= scale;
+    m = s[i] > m ? s[i] : m;
+  }
+  const __m256 m8 = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m8));
+    _mm256_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
   float tmp[8] = {0};
-  for (int64_t j = i; j < n; j++) tmp[j - i] = v[j];
+  for (int64_t j = i; j < n; j++) tmp[j - i] = s[j] - m;
+  __m256 e = exp8(_mm256_loadu_ps(tmp));
+  _mm256_storeu_ps(tmp, e);
+  for (int j = (int)(n - i); j < 8; j++) tmp[j] = 0.f;  // padded lanes add nothing
+  for (int64_t j = i; j < n; j++) s[j] = tmp[j - i];
   acc = _mm256_add_ps(acc, _mm256_loadu_ps(tmp));
   _mm256_storeu_ps(tmp, acc);
   return ((tmp[0] + tmp[1]) + (tmp[2] + tmp[3])) + ((tmp[4] + tmp[5]) + (tmp[6] + tmp[7]));
 }
 
-// Dot product of n floats, same shape of sum as sum_lanes.
+// Dot product of n floats: 8 lanes of fused multiply-adds (a tail padded with zeros), then
+// ((0+1)+(2+3))+((4+5)+(6+7)).
 TGT2 static float dot_lanes(const float* a, const float* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
@@ -113,7 +151,7 @@ template <int G>
 TGT512 static void scores_bf16(const float* const* q, const void* kc, const int64_t* off, int64_t n, int hd,
                                float* const* out) {
   uint32_t q2[G][256];
-  for (int g = 0; g < G; g++) to_bf16_row(q[g], (uint16_t*)q2[g], hd);
+  for (int g = 0; g < G; g++) to_bf16_row16(q[g], (uint16_t*)q2[g], hd);
   const uint16_t* k = (const uint16_t*)kc;
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
@@ -157,6 +195,38 @@ TGT2 static void weighted_values_heads(const float* const* p, int64_t n, const v
     for (int g = 0; g < G; g++)
       for (int c = 0; c < 4; c++)
         _mm256_storeu_ps(o[g] + d0 + 8 * c, to_dtype8(_mm256_mul_ps(acc[g][c], _mm256_set1_ps(inv[g])), dtype));
+  }
+}
+
+// weighted_values_heads on 16 lanes (head_dim a multiple of 64): per head and lane the same fused multiply-adds in
+// value order, so the same bits; each value's 64 elements widened once for the G heads (4 zmm accumulators a head).
+template <int G>
+TGT512 static void weighted_values_heads512(const float* const* p, int64_t n, const void* vc, int dtype,
+                                            const int64_t* off, int hd, const float* inv, float* const* o) {
+  for (int d0 = 0; d0 < hd; d0 += 64) {
+    __m512 acc[G][4];
+    for (int g = 0; g < G; g++)
+      for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i++) {
+      __m512 vv[4];
+      for (int c = 0; c < 4; c++) {
+        const int64_t at = off[i] + d0 + 16 * c;
+        vv[c] = dtype == DT_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                       _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)vc + at))), 16))
+                                 : _mm512_loadu_ps((const float*)vc + at);
+      }
+      for (int g = 0; g < G; g++) {
+        const __m512 pg = _mm512_set1_ps(p[g][i]);
+        for (int c = 0; c < 4; c++) acc[g][c] = _mm512_fmadd_ps(pg, vv[c], acc[g][c]);
+      }
+    }
+    for (int g = 0; g < G; g++)
+      for (int c = 0; c < 4; c++) {
+        const __m512 r = _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g]));
+        float* dst = o[g] + d0 + 16 * c;
+        _mm256_storeu_ps(dst, to_dtype8(_mm512_castps512_ps256(r), dtype));
+        _mm256_storeu_ps(dst + 8, to_dtype8(_mm512_extractf32x8_ps(r, 1), dtype));
+      }
   }
 }
 

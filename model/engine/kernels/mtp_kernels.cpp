@@ -20,7 +20,10 @@
 //                    16 columns x 16 pairs per instruction, each element summed in pair order like vdpbf16ps);
 //                    the rest as ISA_AVX512BF16. Built with -DMTP_AMX_EMULATE, the tile instructions are replaced
 //                    by plain C++ with the same semantics and checks (for testing this path on a CPU without AMX).
-// Attention, norms and element-wise work use AVX2 code on every path.
+// Attention, norms and element-wise work: AVX2 code on every path, the busiest steps (rounding, residual adds,
+// bf16 narrowing, SiLU, attention's weighted values) on 16 lanes on the AVX512 and AMX paths: each lane the same
+// operations as on 8, so the same bits on every path. On AMX a projection's columns are rounded as they leave
+// the tiles (mtp_amx.h, Epilogue).
 //
 // Numerics follow transformers' eager bf16 / float32 computation step by step (the same roundings to the
 // model's dtype after each op that transformers stores in that dtype); the sums inside an op run in our own
@@ -111,69 +114,7 @@ typedef struct {
 
 }  // extern "C"
 
-// ------------------------------------------------------------------------------------------------ bf16
-static inline float bf16_to_f32(uint16_t v) {
-  uint32_t u = (uint32_t)v << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch (NaN stays NaN)
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
-
-// round_bf16 on 8 lanes, the scalar's bits (nearest even; a NaN stays NaN with its quiet bit set).
-TGT2 static inline __m256i round_bf16_bits8(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v), hi = _mm256_set1_epi32((int)0xffff0000u);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), hi);
-  const __m256i nan = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)), hi);
-  const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                            _mm256_set1_epi32(0x7f800000));
-  return _mm256_blendv_epi8(r, nan, is_nan);
-}
-TGT2 static inline __m256 round_bf16_8(__m256 v) { return _mm256_castsi256_ps(round_bf16_bits8(v)); }
-// v rounded to the dtype (8 lanes)
-TGT2 static inline __m256 to_dtype8(__m256 v, int dtype) { return dtype == DT_BF16 ? round_bf16_8(v) : v; }
-
-// Element-wise steps of a pass on 8 lanes (the scalar tail does the same operations, so every element has the
-// bits of the scalar code whatever its place).
-// y[j] = (out[j] (+ bias[j])) rounded to the dtype; y may be out.
-TGT2 static void bias_round_row(const float* out, const float* bias, float* y, int64_t n, int dtype) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    __m256 v = _mm256_loadu_ps(out + j);
-    if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + j));
-    _mm256_storeu_ps(y + j, to_dtype8(v, dtype));
-  }
-  for (; j < n; j++) {
-    float v = out[j];
-    if (bias) v += bias[j];
-    y[j] = dtype == DT_BF16 ? round_bf16(v) : v;
-  }
-}
-// x[j] = (x[j] + o[j]) rounded to the dtype (a residual add, or the adapter's delta added to a projection).
-TGT2 static void add_round_row(float* x, const float* o, int64_t n, int dtype) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    _mm256_storeu_ps(x + j, to_dtype8(_mm256_add_ps(_mm256_loadu_ps(x + j), _mm256_loadu_ps(o + j)), dtype));
-  for (; j < n; j++) x[j] = dtype == DT_BF16 ? round_bf16(x[j] + o[j]) : x[j] + o[j];
-}
-// d[j] = x[j] as bf16 (round to nearest even).
-TGT2 static void to_bf16_row(const float* x, uint16_t* d, int64_t k) {
-  int64_t j = 0;
-  for (; j + 16 <= k; j += 16) {
-    const __m256i a = _mm256_srli_epi32(round_bf16_bits8(_mm256_loadu_ps(x + j)), 16);
-    const __m256i b = _mm256_srli_epi32(round_bf16_bits8(_mm256_loadu_ps(x + j + 8)), 16);
-    _mm256_storeu_si256((__m256i*)(d + j), _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8));
-  }
-  for (; j < k; j++) d[j] = f32_to_bf16(x[j]);
-}
+#include "mtp_bf16.h"
 
 // ------------------------------------------------------------------------------------------------ memory
 extern "C" void* mtp_alloc(int64_t bytes) {

@@ -1,10 +1,5 @@
 // Part of mtp_kernels.cpp, included once into that one translation unit: attention, rotary, SiLU-up and the whole forward pass (mtp_forward_batch).
 // ------------------------------------------------------------------------------------------------ the pass
-static inline void kv_put(void* base, int dtype, int64_t i, float v) {
-  if (dtype == DT_BF16) ((uint16_t*)base)[i] = f32_to_bf16(v);
-  else ((float*)base)[i] = v;
-}
-
 // Scores, softmax and weighted values of the G heads h0.. (all of one KV head) for one query row, over the n
 // keys / values at element offsets idx. Per head exactly the one-head order: keys in cache order (4 at a time,
 // then one by one), the scale, the max, exp, the sum, values in cache order.
@@ -31,12 +26,11 @@ TGT2 static void attend_heads(const mtp_model* M, const float* qt, const void* k
   for (int g = 0; g < G; g++) {
     float* s = scs[g];
     for (int64_t i = i4; i < n; i++) s[i] = dot_kv(qs[g], kc, dtype, idx[i], hd);
-    for (int64_t i = 0; i < n; i++) s[i] *= M->scaling;
-    float m = -INFINITY;
-    for (int64_t i = 0; i < n; i++) m = s[i] > m ? s[i] : m;
-    for (int64_t i = 0; i < n; i++) s[i] -= m;
-    exp_inplace(s, n);
-    inv[g] = 1.0f / sum_lanes(s, n);
+    inv[g] = 1.0f / softmax_unnormalised(s, n, M->scaling);
+  }
+  if (hd % 64 == 0 && M->isa >= ISA_AVX512BF16) {  // 16 lanes: each lane's multiply-adds as on 8
+    weighted_values_heads512<G>(scs, n, vc, dtype, idx, hd, inv, os);
+    return;
   }
   if (hd % 32 == 0) {
     weighted_values_heads<G>(scs, n, vc, dtype, idx, hd, inv, os);
@@ -124,45 +118,48 @@ TGT2 static void rotate(float* x, const float* cos, const float* sin_f, int hd, 
 
 // SiLU(gate) * up, rounded as transformers does in bf16 (silu rounded, then the product), for the columns
 // [c0, c1) of each of the T rows (gu: [T, ld] holding gate then up; act: [T, inter]). Element-wise.
-TGT2 static void silu_mul(const float* gu, int64_t ld, int T, int inter, int64_t c0, int64_t c1, float* act,
+TGT2 static inline __m256 silu_mul8(__m256 g, __m256 u, int dtype) {
+  const __m256 e = exp8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)));  // exp(-g)
+  const __m256 s1 = to_dtype8(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), dtype);
+  return to_dtype8(_mm256_mul_ps(s1, u), dtype);
+}
+TGT512 static int64_t silu_mul16(const float* g, const float* u, float* a, int64_t n, int dtype) {
+  const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {  // silu_mul8's operations on 16 lanes
+    const __m512 g16 = _mm512_loadu_ps(g + i), e = exp16(_mm512_xor_ps(g16, sign));
+    const __m512 s1 = to_dtype16(_mm512_div_ps(g16, _mm512_add_ps(one, e)), dtype);
+    _mm512_storeu_ps(a + i, to_dtype16(_mm512_mul_ps(s1, _mm512_loadu_ps(u + i)), dtype));
+  }
+  return i;
+}
+TGT2 static void silu_mul(int isa, const float* gu, int64_t ld, int T, int inter, int64_t c0, int64_t c1, float* act,
                           int dtype) {
-  static thread_local Scratch s;
   const int64_t n = c1 - c0;
-  float* e = s.get(n + 8);
   for (int t = 0; t < T; t++) {
     const float* g = gu + t * ld + c0;
     const float* u = gu + t * ld + inter + c0;
     float* a = act + (int64_t)t * inter + c0;
-    for (int64_t i = 0; i < n; i++) e[i] = -g[i];
-    exp_inplace(e, n);
-    int64_t i0 = 0;
-    const __m256 one = _mm256_set1_ps(1.0f);
-    for (; i0 + 8 <= n; i0 += 8) {
-      const __m256 s1 = to_dtype8(_mm256_div_ps(_mm256_loadu_ps(g + i0), _mm256_add_ps(one, _mm256_loadu_ps(e + i0))),
-                                  dtype);
-      _mm256_storeu_ps(a + i0, to_dtype8(_mm256_mul_ps(s1, _mm256_loadu_ps(u + i0)), dtype));
-    }
-    for (int64_t i = i0; i < n; i++) {
-      float s1 = g[i] / (1.0f + e[i]);
-      if (dtype == DT_BF16) s1 = round_bf16(s1);
-      float v = s1 * u[i];
-      a[i] = dtype == DT_BF16 ? round_bf16(v) : v;
+    int64_t i = isa >= ISA_AVX512BF16 ? silu_mul16(g, u, a, n, dtype) : 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(a + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i), dtype));
+    if (i < n) {  // the tail through padded lanes: every element the same lane code
+      float gt[8] = {0}, ut[8] = {0}, at[8];
+      memcpy(gt, g + i, sizeof(float) * (n - i));
+      memcpy(ut, u + i, sizeof(float) * (n - i));
+      _mm256_storeu_ps(at, silu_mul8(_mm256_loadu_ps(gt), _mm256_loadu_ps(ut), dtype));
+      memcpy(a + i, at, sizeof(float) * (n - i));
     }
   }
+}
+
+// n values written into a KV cache row at element offset i (bf16: round_bf16's bits; float32: as they are).
+static void kv_put_row(int isa, void* base, int dtype, int64_t i, const float* v, int64_t n) {
+  if (dtype == DT_BF16) to_bf16_row(isa, v, (uint16_t*)base + i, n);
+  else memcpy((float*)base + i, v, sizeof(float) * n);
 }
 
 static int forward_batch(const mtp_model* M, float* x, int32_t T, const mtp_batch* B, const float* cos,
                          const float* sin_f, float* logits, int32_t nt);
-
-// n floats that hold bf16 values (the logits of a bf16 model) stored as bf16, 8 at a time (round_bf16's bits).
-TGT2 static void store_bf16_row(const float* src, uint16_t* dst, int64_t n) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const __m256i b = _mm256_srli_epi32(round_bf16_bits8(_mm256_loadu_ps(src + j)), 16);
-    _mm_storeu_si128((__m128i*)(dst + j), _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
-  }
-  for (; j < n; j++) dst[j] = f32_to_bf16(src[j]);
-}
 
 // logits: [B->nkeep, V] in logits_dtype: DT_F32 (float32), or DT_BF16 for a bf16 model (its logits are bf16
 // values: stored as they are, with no copy through float32 in the caller).
@@ -179,7 +176,7 @@ extern "C" int mtp_forward_batch(const mtp_model* M, float* x, int32_t T, const 
       share(cdiv(V, 16), tid, n_threads, &b0, &b1);
       const int64_t c0 = b0 * 16, c1 = b1 * 16 < V ? b1 * 16 : V;
       for (int i = 0; i < B->nkeep && c0 < c1; i++)
-        store_bf16_row(out + i * V + c0, (uint16_t*)logits + i * V + c0, c1 - c0);
+        to_bf16_row(M->isa, out + i * V + c0, (uint16_t*)logits + i * V + c0, c1 - c0);
     });
   trim_scratch();
   return rc;
@@ -220,26 +217,25 @@ static int forward_batch(const mtp_model* M, float* x, int32_t T, const mtp_batc
       void* kc = B->kcache[(int64_t)sq * M->layers + li];
       void* vc = B->vcache[(int64_t)sq * M->layers + li];
       const int64_t at0 = B->pos[sq] + t - B->row0[sq];
-      for (int g = 0; g < KV; g++)
-        for (int d = 0; d < hd; d++) {
-          const int64_t at = ((int64_t)g * B->cap[sq] + at0) * hd + d;
-          kv_put(kc, dt, at, row[(H + g) * hd + d]);
-          kv_put(vc, dt, at, row[(H + KV + g) * hd + d]);
-        }
+      for (int g = 0; g < KV; g++) {
+        const int64_t at = ((int64_t)g * B->cap[sq] + at0) * hd;
+        kv_put_row(M->isa, kc, dt, at, row + (H + g) * hd, hd);
+        kv_put_row(M->isa, vc, dt, at, row + (H + KV + g) * hd, hd);
+      }
     }
     attention(M, T, qkv, qkv_n, B, li, row_seq, a, (int64_t)H * hd, nt);
     linear(M, &Ly->o, T, a, (int64_t)H * hd, o, Hd, am, nt);
-    add_round_row(x, o, (int64_t)T * Hd, dt);
+    add_round_row(M->isa, x, o, (int64_t)T * Hd, dt);
     for (int t = 0; t < T; t++) rms_norm_row(x + t * Hd, Ly->ln2, h + t * Hd, Hd, M->eps, dt);
     linear(M, &Ly->gate_up, T, h, Hd, gu, 2 * I, am, nt);
     parallel(nt, [&](int tid, int n_threads) {  // each thread its share of the columns (multiples of 16)
       int64_t b0, b1;
       share(cdiv(I, 16), tid, n_threads, &b0, &b1);
       const int64_t c1 = b1 * 16 < I ? b1 * 16 : I;
-      if (b0 * 16 < c1) silu_mul(gu, 2 * I, T, I, b0 * 16, c1, act, dt);
+      if (b0 * 16 < c1) silu_mul(M->isa, gu, 2 * I, T, I, b0 * 16, c1, act, dt);
     });
     linear(M, &Ly->down, T, act, I, o, Hd, am, nt);
-    add_round_row(x, o, (int64_t)T * Hd, dt);
+    add_round_row(M->isa, x, o, (int64_t)T * Hd, dt);
   }
   const int keep = B->nkeep;
   static thread_local Scratch s_km;

@@ -155,7 +155,7 @@ static void add_b_delta(const mtp_model* M, const mtp_linear* L, int arows, cons
       gemm_blocks(&Bm, M->isa, arows, u + r0, ldu, nullptr, 0, dm, ldd, b0, b1, n_threads);
       const int64_t c0 = b0 * 16, c1 = b1 * 16 < om ? b1 * 16 : om;
       for (int t = 0; t < arows; t++)
-        add_round_row(y + (int64_t)rows[t] * ldy + o0 + c0, dm + t * ldd + c0, c1 - c0, M->dtype);
+        add_round_row(M->isa, y + (int64_t)rows[t] * ldy + o0 + c0, dm + t * ldd + c0, c1 - c0, M->dtype);
     }
   });
 }
@@ -181,21 +181,24 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
     xp = (uint32_t*)s_xp.get((int64_t)T * ldxp);
     for (int t = 0; t < T; t++) {
       uint16_t* d = (uint16_t*)(xp + t * ldxp);
-      to_bf16_row(x + t * ldx, d, k);
+      to_bf16_row(M->isa, x + t * ldx, d, k);
       if (k & 1) d[k] = 0;
     }
   }
-  // Each thread rounds (and biases) the columns it computed, while they are in its cache: element-wise, so
-  // the bits do not depend on who does it.
+  // Each thread rounds (and biases) the columns it computed, while they are in its cache (on AMX as each tile
+  // comes out): element-wise, so the bits do not depend on who does it or when.
+  const Epilogue ep = {y, ldy, n, nb, L->bias, M->dtype};
+  const bool in_sweep = gemm_has_epilogue(L, M->isa);
   parallel(nt, [&](int tid, int n_threads) {
     int64_t b0, b1;
     share(nbt, tid, n_threads, &b0, &b1);
     if (b0 >= b1) return;
-    gemm_blocks(L, M->isa, T, x, ldx, xp, ldxp, out, ldo, b0, b1, n_threads);
+    gemm_blocks(L, M->isa, T, x, ldx, xp, ldxp, out, ldo, b0, b1, n_threads, in_sweep ? &ep : nullptr);
+    if (in_sweep) return;
     const int64_t c0 = b0 * 16, c1 = b1 * 16 < n ? b1 * 16 : n;  // c0 >= c1: a share of A's columns only
     if (c0 < c1)
       for (int t = 0; t < T; t++)
-        bias_round_row(out + t * ldo + c0, L->bias ? L->bias + c0 : nullptr, y + t * ldy + c0, c1 - c0, M->dtype);
+        bias_round_row(M->isa, out + t * ldo + c0, L->bias ? L->bias + c0 : nullptr, y + t * ldy + c0, c1 - c0, M->dtype);
   });
   if (arows == 0) return;
   static thread_local Scratch s_rows;  // ints in a float buffer (the same size)
