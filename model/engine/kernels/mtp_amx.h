@@ -181,6 +181,7 @@ TGTAMX static void mk_amx(const uint16_t* const* w, const int64_t* js, int64_t k
 // output (at 16 rows, reading that back cost more than rounding it).
 struct Epilogue {
   float* y;
+  uint16_t* yb;  // when set: the rounded columns stored here as bf16 (a bf16 model's logits), y unused
   int64_t ldy, n, nb;  // n weight columns in nb blocks
   const float* bias;
   int dtype;
@@ -200,7 +201,11 @@ TGT512 static void amx_epilogue(const Epilogue* ep, int M, int64_t row0, int64_t
   for (int r = 0; r < M; r++) {
     __m512 v = _mm512_loadu_ps(src + r * lds);
     if (ep->bias) v = _mm512_add_ps(v, bias);
-    _mm512_mask_storeu_ps(ep->y + (row0 + r) * ep->ldy + c0, k, to_dtype16(v, ep->dtype));
+    if (ep->yb)
+      _mm256_mask_storeu_epi16(ep->yb + (row0 + r) * ep->ldy + c0, k,
+                               _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_bits16(v), 16)));
+    else
+      _mm512_mask_storeu_ps(ep->y + (row0 + r) * ep->ldy + c0, k, to_dtype16(v, ep->dtype));
   }
 }
 

@@ -158,36 +158,67 @@ static void kv_put_row(int isa, void* base, int dtype, int64_t i, const float* v
   else memcpy((float*)base + i, v, sizeof(float) * n);
 }
 
-static int forward_batch(const mtp_model* M, float* x, int32_t T, const mtp_batch* B, const float* cos,
-                         const float* sin_f, float* logits, int32_t nt);
+static int forward_layers(const mtp_model* M, float* x, int32_t T, const mtp_batch* B, const float* cos,
+                          const float* sin_f, int32_t nt);
+static int head_logits(const mtp_model* M, const float* x, int32_t T, const mtp_batch* B, void* logits,
+                       int32_t logits_dtype, int32_t nt);
 
 // logits: [B->nkeep, V] in logits_dtype: DT_F32 (float32), or DT_BF16 for a bf16 model (its logits are bf16
 // values: stored as they are, with no copy through float32 in the caller).
 extern "C" int mtp_forward_batch(const mtp_model* M, float* x, int32_t T, const mtp_batch* B, const float* cos,
                                  const float* sin_f, void* logits, int32_t logits_dtype, int32_t nt) {
   if (logits_dtype != DT_F32 && (logits_dtype != DT_BF16 || M->dtype != DT_BF16)) return 3;
-  static thread_local Scratch s_logits;
-  const int64_t V = M->head.n, n = (int64_t)B->nkeep * V;
-  float* out = logits_dtype == DT_F32 ? (float*)logits : s_logits.get(n);
-  int rc = forward_batch(M, x, T, B, cos, sin_f, out, nt);
-  if (rc == 0 && logits_dtype == DT_BF16)
-    parallel(nt, [&](int tid, int n_threads) {  // each thread its share of the columns, every row
-      int64_t b0, b1;
-      share(cdiv(V, 16), tid, n_threads, &b0, &b1);
-      const int64_t c0 = b0 * 16, c1 = b1 * 16 < V ? b1 * 16 : V;
-      for (int i = 0; i < B->nkeep && c0 < c1; i++)
-        to_bf16_row(M->isa, out + i * V + c0, (uint16_t*)logits + i * V + c0, c1 - c0);
-    });
+  if (nt < 1) nt = 1;
+  for (int i = 0; i < B->nkeep; i++)
+    if (B->keep[i] < 0 || B->keep[i] >= T) return 2;
+  int rc = forward_layers(M, x, T, B, cos, sin_f, nt);
+  if (rc == 0) rc = head_logits(M, x, T, B, logits, logits_dtype, nt);
   trim_scratch();
   return rc;
 }
 
-static int forward_batch(const mtp_model* M, float* x, int32_t T, const mtp_batch* B, const float* cos,
-                         const float* sin_f, float* logits, int32_t nt) {
-  // x: [T, hidden] the embeddings of every sequence's rows (float32 holding dtype values), updated in place.
-  // cos / sin_f: [T, hd] (each row's rotary table row, sin's first half negated).
-  // logits: [B->nkeep, head.n] float32 (rounded to the dtype) of the rows B->keep.
-  if (nt < 1) nt = 1;
+// The logits of the rows B->keep after the last layer (x: [T, hidden]): the final norm, the head, and peft's trained
+// output rows on the adapter rows. bf16 logits come out of the AMX tiles as bf16 (the head's epilogue); on the
+// other paths they are rounded into float32 first and narrowed after, each thread its share of the columns.
+static int head_logits(const mtp_model* M, const float* x, int32_t T, const mtp_batch* B, void* logits,
+                       int32_t logits_dtype, int32_t nt) {
+  const int Hd = M->hidden, keep = B->nkeep;
+  const int64_t V = M->head.n;
+  const bool bf16 = logits_dtype == DT_BF16, direct = bf16 && gemm_has_epilogue(&M->head, M->isa);
+  static thread_local Scratch s_h, s_ov, s_logits;
+  float* h = s_h.get((int64_t)keep * Hd + 1);
+  for (int i = 0; i < keep; i++) rms_norm_row(x + B->keep[i] * Hd, M->norm, h + i * Hd, Hd, M->eps, M->dtype);
+  float* lf = bf16 ? (direct ? nullptr : s_logits.get((int64_t)keep * V)) : (float*)logits;
+  uint16_t* lb = bf16 ? (uint16_t*)logits : nullptr;
+  linear(M, &M->head, keep, h, Hd, lf, V, nullptr, nt, direct ? lb : nullptr);
+  const uint8_t* am = B->adapter;
+  if (M->head_override.n > 0 && am) {  // peft's trained output rows, on the adapter rows only
+    const int n = M->head_override.n;
+    float* ov = s_ov.get(n + 16);
+    for (int i = 0; i < keep; i++) {
+      if (!am[B->keep[i]]) continue;
+      linear(M, &M->head_override, 1, h + (int64_t)i * Hd, Hd, ov, n, nullptr, nt);
+      for (int j = 0; j < n; j++) {
+        const int64_t at = (int64_t)i * V + M->override_idx[j];
+        if (direct) lb[at] = f32_to_bf16(ov[j]);
+        else lf[at] = ov[j];
+      }
+    }
+  }
+  if (bf16 && !direct)
+    parallel(nt, [&](int tid, int n_threads) {
+      int64_t b0, b1;
+      share(cdiv(V, 16), tid, n_threads, &b0, &b1);
+      const int64_t c0 = b0 * 16, c1 = b1 * 16 < V ? b1 * 16 : V;
+      for (int i = 0; i < keep && c0 < c1; i++) to_bf16_row(M->isa, lf + i * V + c0, lb + i * V + c0, c1 - c0);
+    });
+  return 0;
+}
+
+static int forward_layers(const mtp_model* M, float* x, int32_t T, const mtp_batch* B, const float* cos,
+                          const float* sin_f, int32_t nt) {
+  // x: [T, hidden] the embeddings of every sequence's rows (float32 holding dtype values), updated in place to
+  // the last layer's output. cos / sin_f: [T, hd] (each row's rotary table row, sin's first half negated).
   const int Hd = M->hidden, H = M->heads, KV = M->kv_heads, hd = M->head_dim, I = M->inter, dt = M->dtype;
   if (hd > 512 || B->nseq < 1 || B->row0[B->nseq] != T) return 1;
   const int64_t qkv_n = (int64_t)(H + 2 * KV) * hd;
@@ -236,26 +267,6 @@ static int forward_batch(const mtp_model* M, float* x, int32_t T, const mtp_batc
     });
     linear(M, &Ly->down, T, act, I, o, Hd, am, nt);
     add_round_row(M->isa, x, o, (int64_t)T * Hd, dt);
-  }
-  const int keep = B->nkeep;
-  static thread_local Scratch s_km;
-  uint8_t* kmask = (uint8_t*)s_km.get(keep / 4 + 2);
-  for (int i = 0; i < keep; i++) {
-    const int t = B->keep[i];
-    if (t < 0 || t >= T) return 2;
-    rms_norm_row(x + t * Hd, M->norm, h + i * Hd, Hd, M->eps, dt);
-    kmask[i] = am ? am[t] : 0;
-  }
-  const int64_t V = M->head.n;
-  linear(M, &M->head, keep, h, Hd, logits, V, nullptr, nt);
-  if (M->head_override.n > 0 && am) {  // peft's trained output rows, on the adapter rows only
-    const int n = M->head_override.n;
-    for (int i = 0; i < keep; i++) {
-      if (!kmask[i]) continue;
-      float* ov = s_o.get(n + 16);
-      linear(M, &M->head_override, 1, h + (int64_t)i * Hd, Hd, ov, n, nullptr, nt);
-      for (int j = 0; j < n; j++) logits[(int64_t)i * V + M->override_idx[j]] = ov[j];
-    }
   }
   return 0;
 }

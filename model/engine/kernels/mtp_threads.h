@@ -162,8 +162,9 @@ static void add_b_delta(const mtp_model* M, const mtp_linear* L, int arows, cons
 
 // y[T, n] (row stride ldy) = x[T, k] W^T (+ bias), rounded to the dtype; then the rows where amask is 1 get
 // the adapter's delta (peft's order: base result in the dtype + float32 delta, rounded again).
+// yb (only where gemm_has_epilogue, with no adapter rows): the rounded columns stored as bf16 there instead of y.
 static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* x, int64_t ldx, float* y,
-                   int64_t ldy, const uint8_t* amask, int nt) {
+                   int64_t ldy, const uint8_t* amask, int nt, uint16_t* yb = nullptr) {
   int arows = 0;
   if (amask && L->rank > 0)
     for (int t = 0; t < T; t++) arows += amask[t] ? 1 : 0;
@@ -174,7 +175,8 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
   const bool fused = arows > 0 && L->lora_a_in_w;
   const int64_t nbt = nb + (fused ? nbu : 0), ldo = nbt * 16;
   static thread_local Scratch s_out, s_xp, s_u;
-  float* out = (ldy == ldo && !fused) ? y : s_out.get((int64_t)T * ldo);
+  const bool in_sweep = gemm_has_epilogue(L, M->isa);  // out then holds A's columns only (fused), else nothing
+  float* out = ((ldy == ldo || in_sweep) && !fused) ? y : s_out.get((int64_t)T * ldo);
   uint32_t* xp = nullptr;
   int64_t ldxp = cdiv(k, 2);
   if (is_pair_layout(L->layout)) {  // activations as bf16 pairs (exact: they hold bf16 values)
@@ -187,8 +189,7 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
   }
   // Each thread rounds (and biases) the columns it computed, while they are in its cache (on AMX as each tile
   // comes out): element-wise, so the bits do not depend on who does it or when.
-  const Epilogue ep = {y, ldy, n, nb, L->bias, M->dtype};
-  const bool in_sweep = gemm_has_epilogue(L, M->isa);
+  const Epilogue ep = {y, yb, ldy, n, nb, L->bias, M->dtype};
   parallel(nt, [&](int tid, int n_threads) {
     int64_t b0, b1;
     share(nbt, tid, n_threads, &b0, &b1);
