@@ -174,38 +174,28 @@ TGTAMX static void mk_amx(const uint16_t* const* w, const int64_t* js, int64_t k
   if (V > 3) AMX_STORE(3, out + 48, ldo * 4);
 }
 
-// What a projection does with its columns as they come out of the tiles (linear's epilogue, run in amx_blocks):
-// weight column c of row t becomes y[t, c] = (sum (+ bias[c])) rounded to the dtype; a column of the adapter's A
-// packed after the weight's (block >= nb) goes to out[t, c] as it is (float32). Element-wise, so the bits are
-// those of rounding a stored sum afterwards; the sums never make a round trip through a buffer the size of the
-// output (at 16 rows, reading that back cost more than rounding it).
+// A bf16 model's logits straight out of the tiles (the head's epilogue, run in amx_blocks): column c of row t
+// becomes yb[t, c] = (sum (+ bias[c])) rounded to bf16, element-wise, so the bits of rounding a stored float32 sum
+// afterwards, without writing and reading back 4 bytes per logit (49,152 a row). Only the head does this: the
+// layers' projections, rounded this way as each tile came out, measured 2-3% slower at 4-16 rows (a tile's
+// stores read back at once) than rounded by columns after the sweep (mtp_threads.h, linear).
 struct Epilogue {
-  float* y;
-  uint16_t* yb;  // when set: the rounded columns stored here as bf16 (a bf16 model's logits), y unused
-  int64_t ldy, n, nb;  // n weight columns in nb blocks
+  uint16_t* yb;
+  int64_t ldy, n;  // n columns
   const float* bias;
-  int dtype;
 };
 
 // The M x 16 sums of column block b at src (row stride lds) through the epilogue (16 lanes, the last block's
 // columns beyond n masked off).
-TGT512 static void amx_epilogue(const Epilogue* ep, int M, int64_t row0, int64_t b, const float* src, int64_t lds,
-                                float* out, int64_t ldo) {
-  if (b >= ep->nb) {  // A's columns: float32, unrounded
-    for (int r = 0; r < M; r++) memcpy(out + (row0 + r) * ldo + b * 16, src + r * lds, 64);
-    return;
-  }
+TGT512 static void amx_epilogue(const Epilogue* ep, int M, int64_t row0, int64_t b, const float* src, int64_t lds) {
   const int64_t c0 = b * 16, cols = ep->n - c0 < 16 ? ep->n - c0 : 16;
   const __mmask16 k = (__mmask16)((1u << cols) - 1);
   const __m512 bias = ep->bias ? _mm512_maskz_loadu_ps(k, ep->bias + c0) : _mm512_setzero_ps();
   for (int r = 0; r < M; r++) {
     __m512 v = _mm512_loadu_ps(src + r * lds);
     if (ep->bias) v = _mm512_add_ps(v, bias);
-    if (ep->yb)
-      _mm256_mask_storeu_epi16(ep->yb + (row0 + r) * ep->ldy + c0, k,
-                               _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_bits16(v), 16)));
-    else
-      _mm512_mask_storeu_ps(ep->y + (row0 + r) * ep->ldy + c0, k, to_dtype16(v, ep->dtype));
+    _mm256_mask_storeu_epi16(ep->yb + (row0 + r) * ep->ldy + c0, k,
+                             _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_bits16(v), 16)));
   }
 }
 
@@ -214,7 +204,7 @@ TGT512 static void amx_epilogue(const Epilogue* ep, int M, int64_t row0, int64_t
 // then the remaining rows. Two blocks a group (two streams of 1 KB tiles) read SmolLM2 faster than four: a pass
 // of 1 real + 3 masks 23.9 against 24.5 ms, one token 20.5 against 21.4 (one thread, Intel Xeon with AMX).
 static const int AMX_GROUP = 2;  // 1 or 2: a shorter last group is one block
-// With an epilogue (ep), each group's sums go through a small buffer of its own into ep's output.
+// With an epilogue (ep), each group's sums go through a small buffer of its own into ep's output (out unused).
 TGTAMX static void amx_blocks(const mtp_linear* L, int T, const uint32_t* xp, int64_t ldxp, float* out, int64_t ldo,
                               int64_t b0, int64_t b1, const Epilogue* ep) {
   alignas(64) float sums[16 * 16 * AMX_GROUP];
@@ -237,7 +227,7 @@ TGTAMX static void amx_blocks(const mtp_linear* L, int T, const uint32_t* xp, in
         else mk_amx<1>(w, js, k2, x, ldxp, o, lo);  // the last block of an odd count
         if (kfull < k2) amx_tail(w, js, k2, kfull, x, ldxp, M, V, o, lo);
         if (ep)
-          for (int v = 0; v < V; v++) amx_epilogue(ep, M, (int64_t)g * 16, b + v, sums + v * 16, lo, out, ldo);
+          for (int v = 0; v < V; v++) amx_epilogue(ep, M, (int64_t)g * 16, b + v, sums + v * 16, lo);
       }
     }
   }
@@ -274,7 +264,7 @@ TGT512 static void pair_blocks(const mtp_linear* L, int T, const uint32_t* xp, i
 }
 
 // Column blocks [b0, b1) for all T rows, on the calling thread (one of nt threads sharing the sweep). With ep
-// (the AMX path only: gemm_has_epilogue), the columns go through it instead of into out as sums.
+// (the AMX path only: gemm_has_epilogue), the columns go through it instead of into out.
 static inline bool gemm_has_epilogue(const mtp_linear* L, int isa) { return isa == ISA_AMX && is_pair_layout(L->layout); }
 static void gemm_blocks(const mtp_linear* L, int isa, int T, const float* x, int64_t ldx, const uint32_t* xp,
                         int64_t ldxp, float* out, int64_t ldo, int64_t b0, int64_t b1, int nt,

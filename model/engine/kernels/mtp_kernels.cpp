@@ -22,8 +22,8 @@
 //                    by plain C++ with the same semantics and checks (for testing this path on a CPU without AMX).
 // Attention, norms and element-wise work: AVX2 code on every path, the busiest steps (rounding, residual adds,
 // bf16 narrowing, SiLU, attention's weighted values) on 16 lanes on the AVX512 and AMX paths: each lane the same
-// operations as on 8, so the same bits on every path. On AMX a projection's columns are rounded as they leave
-// the tiles (mtp_amx.h, Epilogue).
+// operations as on 8, so the same bits on every path. On AMX a bf16 model's logits leave the tiles as bf16
+// (mtp_amx.h, Epilogue).
 //
 // Numerics follow transformers' eager bf16 / float32 computation step by step (the same roundings to the
 // model's dtype after each op that transformers stores in that dtype); the sums inside an op run in our own

@@ -162,7 +162,8 @@ static void add_b_delta(const mtp_model* M, const mtp_linear* L, int arows, cons
 
 // y[T, n] (row stride ldy) = x[T, k] W^T (+ bias), rounded to the dtype; then the rows where amask is 1 get
 // the adapter's delta (peft's order: base result in the dtype + float32 delta, rounded again).
-// yb (only where gemm_has_epilogue, with no adapter rows): the rounded columns stored as bf16 there instead of y.
+// yb (only where gemm_has_epilogue, with no adapter rows): the columns rounded to bf16 and stored there as bf16
+// as they leave the tiles (Epilogue), y unused.
 static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* x, int64_t ldx, float* y,
                    int64_t ldy, const uint8_t* amask, int nt, uint16_t* yb = nullptr) {
   int arows = 0;
@@ -175,8 +176,8 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
   const bool fused = arows > 0 && L->lora_a_in_w;
   const int64_t nbt = nb + (fused ? nbu : 0), ldo = nbt * 16;
   static thread_local Scratch s_out, s_xp, s_u;
-  const bool in_sweep = gemm_has_epilogue(L, M->isa);  // out then holds A's columns only (fused), else nothing
-  float* out = ((ldy == ldo || in_sweep) && !fused) ? y : s_out.get((int64_t)T * ldo);
+  if (yb && (arows > 0 || !gemm_has_epilogue(L, M->isa))) abort();  // a caller's error
+  float* out = (ldy == ldo && !fused) || yb ? y : s_out.get((int64_t)T * ldo);
   uint32_t* xp = nullptr;
   int64_t ldxp = cdiv(k, 2);
   if (is_pair_layout(L->layout)) {  // activations as bf16 pairs (exact: they hold bf16 values)
@@ -187,15 +188,15 @@ static void linear(const mtp_model* M, const mtp_linear* L, int T, const float* 
       if (k & 1) d[k] = 0;
     }
   }
-  // Each thread rounds (and biases) the columns it computed, while they are in its cache (on AMX as each tile
-  // comes out): element-wise, so the bits do not depend on who does it or when.
-  const Epilogue ep = {y, yb, ldy, n, nb, L->bias, M->dtype};
+  // Each thread rounds (and biases) the columns it computed, while they are in its cache: element-wise, so
+  // the bits do not depend on who does it.
+  const Epilogue ep = {yb, ldy, n, L->bias};
   parallel(nt, [&](int tid, int n_threads) {
     int64_t b0, b1;
     share(nbt, tid, n_threads, &b0, &b1);
     if (b0 >= b1) return;
-    gemm_blocks(L, M->isa, T, x, ldx, xp, ldxp, out, ldo, b0, b1, n_threads, in_sweep ? &ep : nullptr);
-    if (in_sweep) return;
+    gemm_blocks(L, M->isa, T, x, ldx, xp, ldxp, out, ldo, b0, b1, n_threads, yb ? &ep : nullptr);
+    if (yb) return;
     const int64_t c0 = b0 * 16, c1 = b1 * 16 < n ? b1 * 16 : n;  // c0 >= c1: a share of A's columns only
     if (c0 < c1)
       for (int t = 0; t < T; t++)
