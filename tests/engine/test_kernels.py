@@ -346,6 +346,36 @@ def test_close_to_transformers(base_tokenizer, monkeypatch, one_torch_thread, is
 
 
 @pytest.mark.parametrize("isa", _isa_params())
+def test_adapter_trained_output_rows_reach_the_mask_rows_only(base_tokenizer, monkeypatch, one_torch_thread, isa):
+    """An adapter that trains lm_head rows (peft trainable tokens on an untied head), bf16: its rows replace the
+    head's on the mask rows (within rounding of peft's logits there: a 0.5-sized change to each row moves those
+    logits by several units) and leave the real rows' logits the base's, bit for bit."""
+    from transformers import DynamicCache
+
+    tok = copy.deepcopy(base_tokenizer)
+    lm = wrap_model(make_tiny(tok, dtype=torch.bfloat16, tie_word_embeddings=False), tok, source="tiny-llama")
+    m, trained = lm.mask_token_id, [lm.mask_token_id, 7]
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+                     alora_invocation_tokens=[m], trainable_token_indices={"embed_tokens": [m], "lm_head": trained})
+    torch.manual_seed(1)
+    lm.model, lm.adapter = get_peft_model(lm.model, cfg).eval(), "alora"
+    delta = lm.model.base_model.model.lm_head.token_adapter.trainable_tokens_delta["default"]
+    with torch.no_grad():
+        delta.add_(0.5 * torch.randn(delta.shape, generator=torch.Generator().manual_seed(2)).to(delta.dtype))
+    lm = on_kernels(lm, isa, monkeypatch)
+    assert lm.fast_engine().m.head_override.n == len(trained)
+    ids = lm.prompt_ids(PROMPT)
+    x = torch.tensor([ids + [m] * 3])
+    with torch.no_grad():
+        ours = lm.forward(x, lm.new_cache(), 3, 0).float()[0, -4:]
+        lib = lm.forward(x, DynamicCache(config=lm.model.config), 3, 0).float()[0, -4:]
+        real = lm.forward(torch.tensor([ids]), lm.new_cache(), 0, 0).float()[0, -1]
+    scale = float(lib.abs().max())
+    assert float((ours[1:] - lib[1:]).abs().max()) <= 0.05 * scale  # the mask rows: the trained rows included
+    assert torch.equal(ours[0], real)  # the last real row: the base head
+
+
+@pytest.mark.parametrize("isa", _isa_params())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_adapters_a_is_swept_with_the_weight(base_tokenizer, monkeypatch, one_torch_thread, isa, dtype):
     """The adapter's A rides in the weight's sweep (``lora_a_in_w``) when its factors have the weight's dtype; with
