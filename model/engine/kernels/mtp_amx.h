@@ -136,6 +136,31 @@ TGT512 static void amx_tail(const uint16_t* const* w, const int64_t* js, int64_t
     }
 }
 
+// A bf16 model's logits straight out of the tiles (the head's epilogue, run in amx_blocks): column c of row t
+// becomes yb[t, c] = (sum (+ bias[c])) rounded to bf16, element-wise, so the bits of rounding a stored float32 sum
+// afterwards, without writing and reading back 4 bytes per logit (49,152 a row). Only the head does this: the
+// layers' projections, rounded this way as each tile came out, measured 2-3% slower at 4-16 rows (a tile's
+// stores read back at once) than rounded by columns after the sweep (mtp_threads.h, linear).
+struct Epilogue {
+  uint16_t* yb;
+  int64_t ldy, n;  // n columns
+  const float* bias;
+};
+
+// The M x 16 sums of column block b at src (row stride lds) through the epilogue (16 lanes, the last block's
+// columns beyond n masked off).
+TGT512 static void amx_epilogue(const Epilogue* ep, int M, int64_t row0, int64_t b, const float* src, int64_t lds) {
+  const int64_t c0 = b * 16, cols = ep->n - c0 < 16 ? ep->n - c0 : 16;
+  const __mmask16 k = (__mmask16)((1u << cols) - 1);
+  const __m512 bias = ep->bias ? _mm512_maskz_loadu_ps(k, ep->bias + c0) : _mm512_setzero_ps();
+  for (int r = 0; r < M; r++) {
+    __m512 v = _mm512_loadu_ps(src + r * lds);
+    if (ep->bias) v = _mm512_add_ps(v, bias);
+    _mm256_mask_storeu_epi16(ep->yb + (row0 + r) * ep->ldy + c0, k,
+                             _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_bits16(v), 16)));
+  }
+}
+
 #if MTP_AMX_BUILT
 // Tile shapes for M rows: accumulators and activations M x 64 bytes, weights 16 x 64 bytes.
 TGTAMX static void amx_configure(int M) {
@@ -172,31 +197,6 @@ TGTAMX static void mk_amx(const uint16_t* const* w, const int64_t* js, int64_t k
   if (V > 1) AMX_STORE(1, out + 16, ldo * 4);
   if (V > 2) AMX_STORE(2, out + 32, ldo * 4);
   if (V > 3) AMX_STORE(3, out + 48, ldo * 4);
-}
-
-// A bf16 model's logits straight out of the tiles (the head's epilogue, run in amx_blocks): column c of row t
-// becomes yb[t, c] = (sum (+ bias[c])) rounded to bf16, element-wise, so the bits of rounding a stored float32 sum
-// afterwards, without writing and reading back 4 bytes per logit (49,152 a row). Only the head does this: the
-// layers' projections, rounded this way as each tile came out, measured 2-3% slower at 4-16 rows (a tile's
-// stores read back at once) than rounded by columns after the sweep (mtp_threads.h, linear).
-struct Epilogue {
-  uint16_t* yb;
-  int64_t ldy, n;  // n columns
-  const float* bias;
-};
-
-// The M x 16 sums of column block b at src (row stride lds) through the epilogue (16 lanes, the last block's
-// columns beyond n masked off).
-TGT512 static void amx_epilogue(const Epilogue* ep, int M, int64_t row0, int64_t b, const float* src, int64_t lds) {
-  const int64_t c0 = b * 16, cols = ep->n - c0 < 16 ? ep->n - c0 : 16;
-  const __mmask16 k = (__mmask16)((1u << cols) - 1);
-  const __m512 bias = ep->bias ? _mm512_maskz_loadu_ps(k, ep->bias + c0) : _mm512_setzero_ps();
-  for (int r = 0; r < M; r++) {
-    __m512 v = _mm512_loadu_ps(src + r * lds);
-    if (ep->bias) v = _mm512_add_ps(v, bias);
-    _mm256_mask_storeu_epi16(ep->yb + (row0 + r) * ep->ldy + c0, k,
-                             _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_bits16(v), 16)));
-  }
 }
 
 // Column blocks [b0, b1) of a LAYOUT_BF16_TILES weight for T rows: full groups of 16 rows first (one tile
