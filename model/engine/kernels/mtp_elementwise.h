@@ -1,45 +1,38 @@
 // Part of mtp_kernels.cpp, included once into that one translation unit: the work around the products: exp, softmax, attention's dot products and weighted values, norms (8 lanes, 16 where the path has AVX512).
 // ------------------------------------------------------------------------------------------------ AVX2 math
-// exp on 8 lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial); |error| ~1 ulp, lane-wise.
+// Cephes' expf, the constants of exp8 and exp16 (one table: the two must do the same operations on the same
+// numbers to give the same bits): clamp, log2(e) and the rounding half, ln 2 in two parts, the degree-5 polynomial.
+enum { EXP_HI, EXP_LO, EXP_LOG2E, EXP_HALF, EXP_LN2_HI, EXP_LN2_LO, EXP_P0 };
+static constexpr float EXP_K[EXP_P0 + 6] = {88.3762626647949f, -87.3365447504019f, 1.44269504088896341f, 0.5f,
+                                           0.693359375f, -2.12194440e-4f, 1.9875691500E-4f, 1.3981999507E-3f,
+                                           8.3334519073E-3f, 4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f};
+
+// exp on 8 lanes (range reduction by ln 2, degree-5 polynomial); |error| ~1 ulp, lane-wise.
 TGT2 static inline __m256 exp8(__m256 x) {
-  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447504019f);
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-  fx = _mm256_floor_ps(fx);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 z = _mm256_mul_ps(x, x);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-  y = _mm256_fmadd_ps(y, z, x);
-  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_K[EXP_LO])), _mm256_set1_ps(EXP_K[EXP_HI]));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(EXP_K[EXP_LOG2E]), _mm256_set1_ps(EXP_K[EXP_HALF])));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(EXP_K[EXP_LN2_HI]), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(EXP_K[EXP_LN2_LO]), x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(EXP_K[EXP_P0]);
+  for (int i = 1; i < 6; i++) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_K[EXP_P0 + i]));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// exp8 on 16 lanes: each lane the same operations (min / max, floor, fused multiply-adds, the exponent's shift), so
-// the same bits.
+// exp8 on 16 lanes: each lane the same operations on the same constants, so the same bits.
 TGT512 static inline __m512 exp16(__m512 x) {
-  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365447504019f);
-  x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
-  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 z = _mm512_mul_ps(x, x);
-  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
-  y = _mm512_fmadd_ps(y, z, x);
-  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
-  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_K[EXP_LO])), _mm512_set1_ps(EXP_K[EXP_HI]));
+  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(EXP_K[EXP_LOG2E]), _mm512_set1_ps(EXP_K[EXP_HALF]));
+  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // floor
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(EXP_K[EXP_LN2_HI]), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(EXP_K[EXP_LN2_LO]), x);
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 y = _mm512_set1_ps(EXP_K[EXP_P0]);
+  for (int i = 1; i < 6; i++) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_K[EXP_P0 + i]));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
