@@ -151,8 +151,14 @@ class TokenSampler:
         self.generator = torch.Generator().manual_seed(self.seed)
 
     def draw(self, probs: torch.Tensor) -> int:
-        """One token id drawn from ``probs`` (``[V]``, summing to 1)."""
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        """One token id drawn from ``probs`` (``[V]``, non-negative, summing to about 1): inverse transform
+        sampling, the first token whose running sum (float64) exceeds ``u`` times the total, ``u`` uniform in
+        [0, 1). A token of probability 0 is never drawn. (``torch.multinomial`` draws the same distribution but
+        takes ~1.3 ms on a 49k vocabulary against ~0.05 ms here: a sampled pass draws up to k_max + 1 tokens.)"""
+        cdf = torch.cumsum(probs.double(), 0)
+        u = torch.rand((), generator=self.generator, dtype=torch.float64) * cdf[-1]
+        i = int(torch.searchsorted(cdf, u, right=True))
+        return i if i < cdf.numel() else int(torch.nonzero(probs).max())  # u * total rounded up to the total
 
     def coin(self, p: float) -> bool:
         """True with probability ``p``."""

@@ -67,6 +67,26 @@ def test_speculative_accept_keeps_p():
     assert ratios == [pytest.approx(0.3 / 0.7)] and (a, tok) in {(1, 0), (1, 1), (1, 2), (0, 0)}
 
 
+def test_a_draw_follows_the_probabilities_and_never_picks_a_zero():
+    """TokenSampler.draw: 40,000 draws from a 5-token distribution land within 0.01 of each probability, a token
+    of probability 0 (first, middle, last) is never drawn, a one-token support always gives that token, and a row
+    of a vocabulary's size in float32 whose sum is off 1 by rounding draws inside its support."""
+    s = TokenSampler(7)
+    p = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
+    counts = torch.bincount(torch.tensor([s.draw(p) for _ in range(40_000)]), minlength=6).double() / 40_000
+    assert counts[0] == counts[2] == counts[5] == 0
+    assert torch.allclose(counts, p.double(), atol=0.01), counts
+    for only in (0, 3, 5):
+        one = torch.zeros(6)
+        one[only] = 1.0
+        assert {s.draw(one) for _ in range(50)} == {only}
+    wide = torch.zeros(49_153)
+    wide[-3:] = torch.softmax(torch.tensor([1.0, 2.0, 3.0]), 0)
+    wide[:1000] = 1e-9  # many tiny entries: the float32 sum is not exactly 1
+    drawn = [s.draw(wide) for _ in range(200)]
+    assert all(t >= 49_153 - 3 or t < 1000 for t in drawn)
+
+
 # ----------------------------------------------------------------------------- the real decoder, enumerated
 class Enumerating(TokenSampler):
     """A random source that follows a script of choices (the index among the options of each decision) and
