@@ -71,12 +71,21 @@ class _FastState:
 
 def _weights_signature(model: Any) -> tuple[int, int, int]:
     """(count, sum of versions, sum of addresses) of the model's parameters: changes when a weight is
-    modified in place or replaced."""
+    modified in place or replaced. Walks the modules' own parameter dicts (``model.parameters()`` builds a name
+    for each module on the way: 3.5 ms against 2 ms on a peft-wrapped SmolLM2, once per new KV cache)."""
     n = version = address = 0
-    for p in model.parameters():
-        n += 1
-        version += p._version
-        address += p.data_ptr()
+    stack, seen = [model], set()
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        for p in module._parameters.values():
+            if p is not None:
+                n += 1
+                version += p._version
+                address += p.data_ptr()
+        stack.extend(m for m in module._modules.values() if m is not None)
     return n, version, address
 
 
