@@ -108,7 +108,7 @@ def _waited(pg, what: str, js: str, arg, timeout: int) -> None:
         shot = ARTIFACTS / f"timeout-{time.strftime('%H%M%S')}.png"
         pg.screenshot(path=str(shot), full_page=True)
         seen = {sel: pg.inner_text(sel) if pg.locator(sel).count() else None
-                for sel in ("#status", "#notice", "#stats-std", "#stats-mtp")}
+                for sel in ("#status", "#notice", "#stats-standard", "#stats-mtp")}
         raise AssertionError(f"waited {timeout / 1000:.0f} s for {what}; the page showed {seen}; "
                              f"screenshot {shot}") from e
 
@@ -121,13 +121,16 @@ def wait_status(pg, pattern: str | tuple[str, ...], timeout: int = TIMEOUT_MS) -
     return pg.inner_text("#status")
 
 
-def wait_tokens(pg, n: int) -> None:
-    """Wait until the MTP side of the running turn has generated at least ``n`` tokens (the counters of a
-    finished turn do not count: they still show its figures until the next turn's first update)."""
-    _waited(pg, f"{n} MTP tokens of a running turn",
-            "(n) => { const c = document.querySelector('#stats-mtp [data-name=\"tokens\"] .mtp-counter-value');"
-            " const s = document.querySelector('#stats-mtp .mtp-counters');"
-            " return c && s && s.dataset.state === 'running' && parseFloat(c.innerText) >= n; }", n, TIMEOUT_MS)
+def wait_tokens(pg, n: int, panes: tuple[str, ...] = ("mtp",), or_status: str = "\0") -> None:
+    """Wait until each of ``panes`` ("standard", "mtp") of the running turn has generated at least ``n`` tokens
+    (the counters of a finished turn do not count: they still show its figures until the next turn's first
+    update), or until the status line contains ``or_status`` (e.g. the turn ended first: a short answer)."""
+    _waited(pg, f"{n} tokens of a running turn in {panes} or the status {or_status!r}",
+            "([n, panes, done]) => document.querySelector('#status').innerText.includes(done) || panes.every(p => {"
+            " const c = document.querySelector(`#stats-${p} [data-name=\"tokens\"] .mtp-counter-value`);"
+            " const s = document.querySelector(`#stats-${p} .mtp-counters`);"
+            " return c && s && s.dataset.state === 'running' && parseFloat(c.innerText) >= n; })",
+            [n, list(panes), or_status], TIMEOUT_MS)
 
 
 def answers(pg, pane: str) -> list[str]:
@@ -457,16 +460,17 @@ def every_turn_kept(pg, asked: list[str]) -> tuple[list[str], list[str]]:
 
 
 def test_stop_then_send_keeps_every_turn(page, served, busy):
-    """A long answer, Stop after 3.5 s, then Send at once (the Stop and the message travel apart), five times, on a
-    loaded machine: every stopped turn and its partial answers stay in both panes and in the page's history, and
-    the next turn continues the conversation (its number counts them)."""
+    """A long answer, Stop once both panes stream (3 tokens each; or at its end, when the model keeps it short),
+    then Send at once (the Stop and the message travel apart), five times, on a loaded machine: every stopped turn
+    and its partial answers stay in both panes and in the page's history, and the next turn continues the
+    conversation (its number counts them)."""
     set_number(page, "k-max", 4)
     asked = []
     for i in range(5):
         set_number(page, "max-new-tokens", 300)
         story = f"Tell me a long story, number {i}."
         send(page, story)
-        time.sleep(3.5)
+        wait_tokens(page, 3, ("standard", "mtp"), or_status=f"Turn {2 * i + 1}: done in")
         follow = f"Thanks. What is {i} plus 1?"
         set_number(page, "max-new-tokens", 4)
         page.fill("#message textarea", follow)
