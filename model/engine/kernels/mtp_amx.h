@@ -241,10 +241,14 @@ static void amx_blocks(const mtp_linear*, int, const uint32_t*, int64_t, float*,
 #endif
 
 // LAYOUT_BF16_PAIRS on the zmm path: each pair of blocks (pair_block) swept once per group of up to 8 rows
-// (groups split evenly: 16 rows are 8 + 8, 7 rows one group). Up to 5 rows the hardware prefetcher alone keeps
-// the one stream fed (asking for the next pair's lines as well made 1-4 rows 1.1-1.2x slower); with groups of 6-8
-// rows the arithmetic per step is long enough that asking for them (prefetcht1) is faster on one thread, and
-// with two threads only when the pair is swept by two row groups (docs/DESIGN.md).
+// (groups split evenly: 16 rows are 8 + 8, 7 rows one group). Prefetches (prefetcht1), by rows a group:
+// - 1 row: none; the hardware prefetcher alone keeps the one stream fed.
+// - 2-5 rows: the next step's lines of the same stream, so that the step's arithmetic does not hold back the
+//   stream's reads (1 + 3 masks 1.30-1.33x -> 1.21-1.23x a one-token pass at one thread on a Zen 4, builds
+//   alternated three times; 1.17x either way at two threads). The next pair's lines instead made 1-4 rows
+//   1.1-1.2x slower.
+// - 6-8 rows: the next pair's lines, on one thread, and with two threads only when the pair is swept by two
+//   row groups: the arithmetic per step is long enough for them (docs/DESIGN.md).
 TGT512 static void pair_blocks(const mtp_linear* L, int T, const uint32_t* xp, int64_t ldxp, float* out, int64_t ldo,
                                int64_t b0, int64_t b1, int nt) {
   const int64_t k2 = cdiv(L->k, 2), nbp = packed_blocks(L);
@@ -256,8 +260,11 @@ TGT512 static void pair_blocks(const mtp_linear* L, int T, const uint32_t* xp, i
     const int V = (b % 2 == 0 && b + 1 < b1 && js == 64) ? 2 : 1;
     for (int g = 0, t = 0, R = 0; g < groups; g++, t += R) {
       R = (T - t + (groups - g) - 1) / (groups - g);
-      if (prefetch_next_pair) mk_512_pairs<true>(R, V, w, js, k2, xp + t * ldxp, ldxp, out + t * ldo + b * 16, ldo);
-      else mk_512_pairs<false>(R, V, w, js, k2, xp + t * ldxp, ldxp, out + t * ldo + b * 16, ldo);
+      const uint32_t* xg = xp + t * ldxp;
+      float* og = out + t * ldo + b * 16;
+      if (prefetch_next_pair) mk_512_pairs<PF_NEXT_PAIR>(R, V, w, js, k2, xg, ldxp, og, ldo);
+      else if (R >= 2 && R <= 5) mk_512_pairs<PF_NEXT_STEP>(R, V, w, js, k2, xg, ldxp, og, ldo);
+      else mk_512_pairs<PF_NONE>(R, V, w, js, k2, xg, ldxp, og, ldo);
     }
     b += V;
   }

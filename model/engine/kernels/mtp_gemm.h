@@ -70,18 +70,20 @@ TGT512 static void mk_512_f32(const void* w, int64_t k, const float* x, int64_t 
 }
 
 // AVX512-BF16, weights LAYOUT_BF16_PAIRS, x bf16 pairs [T, ldx] (uint32 = two bf16). V (1 or 2) blocks of one
-// pair (pair_block: block v's step j at w + j * js + v * 32). PF: also ask for the next pair's lines into L2.
-template <int R, int V, bool PF>
+// pair (pair_block: block v's step j at w + j * js + v * 32). PF: also ask for lines into L2 (prefetcht1):
+// PF_NEXT_PAIR the next pair's, PF_NEXT_STEP the next step's of this stream (pair_blocks says when each pays).
+enum { PF_NONE = 0, PF_NEXT_PAIR = 1, PF_NEXT_STEP = 2 };
+template <int R, int V, int PF>
 TGT512 static void mk_512_bf16(const uint16_t* w, int64_t js, int64_t k2, const uint32_t* x, int64_t ldx, float* out,
                                int64_t ldo) {
   __m512 acc[R][V];
   for (int r = 0; r < R; r++)
     for (int v = 0; v < V; v++) acc[r][v] = _mm512_setzero_ps();
-  const int64_t next = k2 * js;
+  const int64_t next = PF == PF_NEXT_STEP ? js : k2 * js;
   for (int64_t j = 0; j < k2; j++) {
     __m512i wv[V];
     for (int v = 0; v < V; v++) {
-      if (PF) prefetch_next(w, 2, next + j * js + v * 32);
+      if (PF != PF_NONE) prefetch_next(w, 2, next + j * js + v * 32);
       wv[v] = _mm512_loadu_si512((const void*)(w + j * js + v * 32));
     }
     for (int r = 0; r < R; r++) {
@@ -95,7 +97,7 @@ TGT512 static void mk_512_bf16(const uint16_t* w, int64_t js, int64_t k2, const 
 }
 
 // mk_512_bf16 for R (1-8) rows and V (1-2) blocks.
-template <bool PF>
+template <int PF>
 TGT512 static void mk_512_pairs(int R, int V, const uint16_t* w, int64_t js, int64_t k2, const uint32_t* x,
                                 int64_t ldx, float* out, int64_t ldo) {
 #define MTP_PAIRS_CASE(RR)                                                              \
