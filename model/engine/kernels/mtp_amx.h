@@ -245,7 +245,7 @@ static void amx_blocks(const mtp_linear*, int, const uint32_t*, int64_t, float*,
 // - 1 row: none; the hardware prefetcher alone keeps the one stream fed.
 // - 2-5 rows: the next step's lines of the same stream, so that the step's arithmetic does not hold back the
 //   stream's reads (1 + 3 masks 1.30-1.33x -> 1.21-1.23x a one-token pass at one thread on a Zen 4, builds
-//   alternated three times; 1.17x either way at two threads). The next pair's lines instead made 1-4 rows
+//   alternated three times; at two threads 1.15-1.18x either way). The next pair's lines instead made 1-4 rows
 //   1.1-1.2x slower.
 // - 6-8 rows: the next pair's lines, on one thread, and with two threads only when the pair is swept by two
 //   row groups: the arithmetic per step is long enough for them (docs/DESIGN.md).
