@@ -141,9 +141,10 @@ def prepare_turn(registry: "ModelRegistry", request: TurnRequest, prefixes: "Pre
     except ValueError as e:
         raise RequestError(str(e)) from None
     if len(ids) > MAX_PROMPT_TOKENS:
-        what = "This conversation" if hist else "The message"
+        what, fix = (("This conversation", "Shorten the message or press Clear to start a new chat") if hist else
+                     ("The message", "Shorten it and send again"))
         raise RequestError(f"{what} is {len(ids):,} tokens long; this demo prefills at most "
-                           f"{MAX_PROMPT_TOKENS:,} tokens. Shorten the message or press Clear to start a new chat.")
+                           f"{MAX_PROMPT_TOKENS:,} tokens. {fix}.")
     reuse = prefixes.take(request.session, key, ids, ("standard", "mtp")) if prefixes is not None else {}
     try:  # the engine checks the context budget (the MTP side looks further ahead than standard)
         width = registry.facts.auto_width(key, lm) if getattr(strat, "auto", False) else None

@@ -49,6 +49,20 @@ def test_bad_requests_are_refused_with_the_value_named(registry, kwargs, expecte
     assert expected in str(err.value)
 
 
+def test_a_prompt_too_long_suggests_clear_only_when_there_is_a_conversation(registry):
+    """A first message over the prefill limit is told to be shortened (Clear would not help: there is nothing to
+    clear); a follow-up that makes the conversation too long is also offered Clear."""
+    args = dict(strategy="ConfAdapt", tau=0.9, k_max=4, k=3, max_new_tokens=8)
+    with pytest.raises(RequestError) as first:
+        prepare_turn(registry, TurnRequest(message="hello " * 2_500, history=[], **args))
+    assert "The message is" in str(first.value) and "Shorten it and send again" in str(first.value)
+    assert "Clear" not in str(first.value)
+    history = [{"role": "user", "content": "hello " * 1_500}, {"role": "assistant", "content": "Hi!"}]
+    with pytest.raises(RequestError) as later:
+        prepare_turn(registry, TurnRequest(message="hello " * 1_000, history=history, **args))
+    assert "This conversation is" in str(later.value) and "press Clear to start a new chat" in str(later.value)
+
+
 @pytest.mark.integration
 def test_limits_are_the_apps_and_tau_zero_is_valid(registry, lm):
     assert (APP_MAX_K_MAX, APP_MAX_NEW_TOKENS) == (32, 1024)
