@@ -68,7 +68,7 @@ def test_speculative_accept_keeps_p():
 
 
 def test_a_draw_follows_the_probabilities_and_never_picks_a_zero():
-    """TokenSampler.draw: 40,000 draws from a 5-token distribution land within 0.01 of each probability, a token
+    """TokenSampler.draw: 40,000 draws from a 6-token distribution land within 0.01 of each probability, a token
     of probability 0 (first, middle, last) is never drawn, a one-token support always gives that token, and a row
     of a vocabulary's size in float32 whose sum is off 1 by rounding draws inside its support."""
     s = TokenSampler(7)
