@@ -205,7 +205,7 @@ def _ask_and_controls(page: Page, c: SimpleNamespace) -> None:
 
 def _answers(c: SimpleNamespace) -> None:
     """The two panes with their counters, the headline, the coloured answer and the pass figures."""
-    with gr.Row(equal_height=False):
+    with gr.Row(equal_height=True, elem_id="answers-row"):  # the counters level, whatever each answer's length
         with gr.Column(min_width=280):
             c.chat_std = gr.HTML(render.pane_html([], None, None, side="standard", title=STD_TITLE),
                                  elem_id="chat-standard", js_on_load=None)

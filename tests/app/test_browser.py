@@ -262,6 +262,13 @@ def test_text_is_literal_code_is_preformatted_and_the_answer_reads_like_figure_1
     screenshot(page, "app_confadapt_390.png", capsys)
     page.set_viewport_size({"width": 1440, "height": 900})
 
+    # one answer longer than the other (ConfAdapt's often is): the two rows of counters stay level
+    page.evaluate("() => { document.querySelector('#chat-mtp .mtp-bot .mtp-msg-text').textContent += "
+                  "'\\none more line'.repeat(12); }")
+    tops = page.evaluate("() => ['#stats-standard', '#stats-mtp', '#chat-standard .mtp-pane', '#chat-mtp .mtp-pane']"
+                         ".map(s => document.querySelector(s).getBoundingClientRect().top)")
+    assert abs(tops[0] - tops[1]) < 1 and tops[2] == tops[3]
+
     # Arabic runs right to left, as one text (inline spans, no chips)
     page.click("#clear")
     wait_status(page, "Cleared")
