@@ -30,7 +30,7 @@ static inline uint64_t slot_word(uint32_t g, int state) { return ((uint64_t)g <<
 static const int64_t STALL_MIN_NS = 200000;
 static thread_local int64_t t_stalls = 0;
 // Test hook: a worker sleeps this long after claiming a share (a core lost mid-share). 0 in use.
-extern "C" { int64_t mtp_debug_share_delay_ns = 0; }
+extern "C" { volatile int64_t mtp_debug_share_delay_ns = 0; }  // volatile: read afresh for each share
 struct Pool {
   std::mutex run_lock;                 // one region at a time
   std::atomic<uint32_t> gen{0};        // bumped for each region (the futex word)
