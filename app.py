@@ -45,7 +45,8 @@ def env_positive_int(name: str) -> int | None:
     return int(raw)
 
 
-app_threads = env_positive_int("MTP_APP_THREADS")  # torch CPU threads (our kernels drop to 1 while another program holds a core)
+# torch CPU threads (our kernels drop to one for a while when another program takes a worker's core)
+app_threads = env_positive_int("MTP_APP_THREADS")
 server_port = env_positive_int("GRADIO_SERVER_PORT")
 if app_threads is not None:
     import torch
