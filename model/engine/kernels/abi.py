@@ -75,8 +75,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mtp_amx_built.restype = lib.mtp_amx_init.restype = lib.mtp_selftest.restype = i32
     lib.mtp_selftest.argtypes = [i32]
     lib.mtp_propose.argtypes, lib.mtp_propose.restype = [vp, i32, i32, i64, i64, i64, vp, vp, i32], i32
-    lib.mtp_solo_passes.restype = i64
-    lib.mtp_solo_reset.restype = None
+    lib.mtp_reduced_passes.restype = i64
+    lib.mtp_reduced_reset.restype = None
     return lib
 
 

@@ -171,7 +171,7 @@ extern "C" int mtp_forward_batch(const mtp_model* M, float* x, int32_t T, const 
   if (nt < 1) nt = 1;
   for (int i = 0; i < B->nkeep; i++)
     if (B->keep[i] < 0 || B->keep[i] >= T) return 2;
-  nt = pass_threads(nt);  // one thread for a while after a pass that waited on a worker without a core
+  nt = pass_threads(nt);  // a thread fewer for a while after a pass that waited on a worker without a core
   const int64_t stalls0 = t_stalls;
   int rc = forward_layers(M, x, T, B, cos, sin_f, nt);
   if (rc == 0) rc = head_logits(M, x, T, B, logits, logits_dtype, nt);

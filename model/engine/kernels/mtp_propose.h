@@ -65,7 +65,7 @@ extern "C" int32_t mtp_propose(const void* logits, int32_t dtype, int32_t T, int
   if (T < 0 || V < 1 || ld < V || (dtype != DT_F32 && dtype != DT_BF16)) return 1;
   if (nt < 1) nt = 1;
   if (nt > T) nt = T > 0 ? T : 1;
-  if (solo_now()) nt = 1;  // the passes run alone for now (mtp_threads.h, pass_threads): so do their proposals
+  nt = thread_cap(nt);  // as many threads as the passes may use now (mtp_threads.h, pass_threads)
   const int64_t esize = dtype == DT_BF16 ? 2 : 4;
   parallel(nt, [&](int tid, int n_threads) {
     static thread_local Scratch s_wide;

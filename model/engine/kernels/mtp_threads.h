@@ -10,8 +10,8 @@
 // A share is claimed, not assigned: worker w runs f(w, nt) only if it claims share w first, and the calling
 // thread, once its own share is done, runs every share no worker has claimed yet. A worker that lost its core
 // to another program (a browser on the same machine, a neighbour on a shared host) before its share costs the
-// region nothing; one that loses it mid-share stalls the region, and passes with stalls hand the next passes
-// to the calling thread alone for a while (pass_threads, below).
+// region nothing; one that loses it mid-share stalls the region, and a pass with stalls leaves the next
+// passes a thread fewer for a while (pass_threads, below).
 static const int64_t SPIN_NS = 200000;
 static const int POOL_MAX = 256;  // threads a region can use (more are capped: no result depends on the count)
 static inline int64_t now_ns() {
@@ -126,27 +126,34 @@ template <class F> static void parallel(int nt, F&& f) {
   if (waited > STALL_MIN_NS && waited > t0 - t_own) t_stalls++;
 }
 
-// Passes that give up their workers for a while. A pass at nt > 1 threads with SOLO_STALLS stalled regions had
-// a worker lose its core mid-share: another program wants that core. The passes of the next SOLO_NS then run
-// on the calling thread alone, and the first pass after them tries nt again. Results never depend on the
-// thread count. A 2-core Zen 4 VM, SmolLM2 bf16, one-token passes at two threads with one core kept busy by
-// another process: 13.8-19.2 ms before, 9.2-11.5 ms after (one thread: 10.5-11.1); quiet, as before within
-// the noise, with about one pass in six alone (the VM's own stalls).
+// Passes that give up a worker for a while. A pass at nt > 1 threads with SOLO_STALLS stalled regions had a
+// worker lose its core mid-share: another program wants that core. The passes of the next SOLO_NS then run on
+// one thread fewer (so do their proposals; each further stalled pass takes one more away, down to the calling
+// thread alone), and the first pass after them tries every thread again. Results never depend on the thread
+// count. A 2-core Zen 4 VM, SmolLM2 bf16, one-token passes at two threads with one core kept busy by another
+// process: 13.8-19.2 ms before, 9.2-11.5 ms after (one thread: 10.5-11.1); quiet, as before within the noise,
+// with about one pass in six on one thread (the VM's own stalls).
 static const int64_t SOLO_NS = 500000000, SOLO_STALLS = 2;
-static std::atomic<int64_t> g_solo_until{0}, g_solo_passes{0};
-extern "C" int64_t mtp_solo_passes(void) { return g_solo_passes.load(); }  // passes run alone so far
-extern "C" void mtp_solo_reset(void) { g_solo_until.store(0); }
-static inline bool solo_now() { return now_ns() < g_solo_until.load(std::memory_order_relaxed); }
+static std::atomic<int64_t> g_cap_until{0}, g_reduced_passes{0};
+static std::atomic<int> g_cap{0};  // the threads a pass may use until g_cap_until
+extern "C" int64_t mtp_reduced_passes(void) { return g_reduced_passes.load(); }  // passes run on fewer threads
+extern "C" void mtp_reduced_reset(void) { g_cap_until.store(0); }
+// The threads a region may use now, of the nt asked for.
+static inline int thread_cap(int nt) {
+  if (nt <= 1 || now_ns() >= g_cap_until.load(std::memory_order_relaxed)) return nt;
+  const int cap = g_cap.load(std::memory_order_relaxed);
+  return cap >= 1 && cap < nt ? cap : nt;
+}
 static int pass_threads(int nt) {
-  if (nt > 1 && solo_now()) {
-    g_solo_passes.fetch_add(1, std::memory_order_relaxed);
-    return 1;
-  }
-  return nt;
+  const int n = thread_cap(nt);
+  if (n < nt) g_reduced_passes.fetch_add(1, std::memory_order_relaxed);
+  return n;
 }
 // After a pass that ran on nt threads, with stalls0 = t_stalls at its start.
 static void pass_done(int nt, int64_t stalls0) {
-  if (nt > 1 && t_stalls - stalls0 >= SOLO_STALLS) g_solo_until.store(now_ns() + SOLO_NS, std::memory_order_relaxed);
+  if (nt <= 1 || t_stalls - stalls0 < SOLO_STALLS) return;
+  g_cap.store(nt - 1, std::memory_order_relaxed);
+  g_cap_until.store(now_ns() + SOLO_NS, std::memory_order_relaxed);
 }
 
 
