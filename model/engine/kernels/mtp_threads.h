@@ -131,8 +131,8 @@ template <class F> static void parallel(int nt, F&& f) {
 // one thread fewer (so do their proposals; each further stalled pass takes one more away, down to the calling
 // thread alone), and the first pass after them tries every thread again. Results never depend on the thread
 // count. A 2-core Zen 4 VM, SmolLM2 bf16, one-token passes at two threads with one core kept busy by another
-// process: 13.8-19.2 ms before, 9.2-11.5 ms after (one thread: 10.5-11.1); quiet, as before within the noise,
-// with about one pass in six on one thread (the VM's own stalls).
+// process: 13.8-19.2 ms before, 10.2-10.4 ms after (one thread: 10.5-11.1); quiet, as before within the
+// noise, with about one pass in six on one thread (the VM's own stalls).
 static const int64_t SOLO_NS = 500000000, SOLO_STALLS = 2;
 static std::atomic<int64_t> g_cap_until{0}, g_reduced_passes{0};
 static std::atomic<int> g_cap{0};  // the threads a pass may use until g_cap_until
