@@ -19,10 +19,11 @@ static inline int64_t now_ns() {
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
-// Share w of region g: (g << 2) | state. The caller sets every share to FREE before it publishes region g.
+// Share w of region g: (g << 2) | state. The caller sets the region's shares to FREE before it publishes region
+// g, and every share leaves a region DONE or CALLER: a worker the region does not use finds no FREE share.
 enum { SHARE_FREE = 0, SHARE_WORKER = 1, SHARE_DONE = 2, SHARE_CALLER = 3 };
 struct alignas(64) ShareSlot {
-  std::atomic<uint64_t> s{0};
+  std::atomic<uint64_t> s{SHARE_DONE};
 };
 static inline uint64_t slot_word(uint32_t g, int state) { return ((uint64_t)g << 2) | (uint64_t)state; }
 // Regions in which the calling thread waited for a worker longer than its own work took (and over
@@ -95,8 +96,6 @@ template <class F> static void parallel(int nt, F&& f) {
   typedef typename std::remove_reference<F>::type Fn;
   const uint32_t g = P->gen.load(std::memory_order_relaxed) + 1;
   for (int w = 1; w < nt; w++) P->slot[w].s.store(slot_word(g, SHARE_FREE), std::memory_order_relaxed);
-  for (int w = nt; w <= P->workers && w < POOL_MAX; w++)  // workers this region does not use: nothing to claim
-    P->slot[w].s.store(slot_word(g, SHARE_DONE), std::memory_order_relaxed);
   P->fn = [](void* c, int tid, int n) { (*(Fn*)c)(tid, n); };
   P->ctx = (void*)&f;
   P->nt = nt;
@@ -126,14 +125,14 @@ template <class F> static void parallel(int nt, F&& f) {
   if (waited > STALL_MIN_NS && waited > t0 - t_own) t_stalls++;
 }
 
-// Passes that give up a worker for a while. A pass at nt > 1 threads with SOLO_STALLS stalled regions had a
-// worker lose its core mid-share: another program wants that core. The passes of the next SOLO_NS then run on
+// Passes that give up a worker for a while. A pass at nt > 1 threads with FEWER_STALLS stalled regions had a
+// worker lose its core mid-share: another program wants that core. The passes of the next FEWER_NS then run on
 // one thread fewer (so do their proposals; each further stalled pass takes one more away, down to the calling
 // thread alone), and the first pass after them tries every thread again. Results never depend on the thread
 // count. A 2-core Zen 4 VM, SmolLM2 bf16, one-token passes at two threads with one core kept busy by another
 // process: 13.8-19.2 ms before, 10.2-10.4 ms after (one thread: 10.5-11.1); quiet, as before within the
 // noise, with about one pass in six on one thread (the VM's own stalls).
-static const int64_t SOLO_NS = 500000000, SOLO_STALLS = 2;
+static const int64_t FEWER_NS = 500000000, FEWER_STALLS = 2;
 static std::atomic<int64_t> g_cap_until{0}, g_reduced_passes{0};
 static std::atomic<int> g_cap{0};  // the threads a pass may use until g_cap_until
 extern "C" int64_t mtp_reduced_passes(void) { return g_reduced_passes.load(); }  // passes run on fewer threads
@@ -151,9 +150,9 @@ static int pass_threads(int nt) {
 }
 // After a pass that ran on nt threads, with stalls0 = t_stalls at its start.
 static void pass_done(int nt, int64_t stalls0) {
-  if (nt <= 1 || t_stalls - stalls0 < SOLO_STALLS) return;
+  if (nt <= 1 || t_stalls - stalls0 < FEWER_STALLS) return;
   g_cap.store(nt - 1, std::memory_order_relaxed);
-  g_cap_until.store(now_ns() + SOLO_NS, std::memory_order_relaxed);
+  g_cap_until.store(now_ns() + FEWER_NS, std::memory_order_relaxed);
 }
 
 
