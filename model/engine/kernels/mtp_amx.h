@@ -293,7 +293,9 @@ static void gemm_blocks(const mtp_linear* L, int isa, int T, const float* x, int
   // blocking.
   if (zmm && T >= 2 && T <= 8 && L->layout != LAYOUT_BF16) { rmax = 8; vmax = 1; }
   else if (zmm) { rmax = T <= 6 ? 6 : 8; vmax = rmax <= 6 ? 4 : 3; }
-  else { vmax = T <= 1 ? 3 : 1; rmax = T <= 1 ? 1 : 6; }  // AVX2: 16 ymm registers (DISPATCH_AVX2)
+  else if (T <= 1) { vmax = 3; rmax = 1; }  // AVX2: 16 ymm registers (DISPATCH_AVX2)
+  else if (T <= 3) { vmax = 2; rmax = 3; }  // mk_avx2_v2: 2 blocks, twice the chains of one
+  else { vmax = 1; rmax = 6; }  // 8-12 chains keep the FMA units busy with one block
   // Rows in as few groups as rmax allows, split evenly (7 rows: 4 + 3, not 6 + 1): a small group's few
   // accumulator chains wait on the multiply-add's latency, so a trailing 1-row group cost nearly a whole sweep.
   const int groups = (T + rmax - 1) / rmax;
