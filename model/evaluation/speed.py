@@ -12,7 +12,7 @@ alternating, medians over repeats:
    tokens over its seconds summed over the prompts; the table shows the median over repeats and
    its ratio to HF ``generate`` (the paper reports wall-clock speed-ups the same way, section 4.5).
    One untimed warm-up generation per method comes first.
-2. **Width curve**: milliseconds per forward pass over a cached prompt, by tokens fed (1, 2, 4, 8, 16):
+2. **Width curve**: milliseconds per forward pass over a cached prompt, by tokens fed (1, 2, 3, 4, 8, 16):
    transformers' forward of the plain base (T real tokens), ours on the base weights (T real
    tokens: a prefill / verify-like pass), ours with the adapter (1 real token + T-1 mask tokens:
    an MTP pass) and llama.cpp's call over T tokens (all logits), each with its ratio to our 1-token
