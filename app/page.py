@@ -292,10 +292,12 @@ class Page(ApiHandlers):
         for out in self.turn_updates(turn, session_of(request), seq):
             yield (box_command(out[0], sent),) + tuple(out[1:])
 
-    def stop(self, request: gr.Request = None):
+    def stop(self, seq=None, request: gr.Request = None):
         """Stop: the session's running answer ends before its next pass or prompt chunk (a waiting message then
-        starts). Acknowledged at once in the notice; the run then says it stopped."""
-        if self.sessions.request_stop(session_of(request), "stopped"):
+        starts). Acknowledged at once in the notice; the run then says it stopped. ``seq``: the page's number of
+        the last message sent before the click (its script fills it in); a turn numbered after it is not stopped,
+        as its message was sent after the click (:meth:`app.sessions.SessionRuns.request_stop`)."""
+        if self.sessions.request_stop(session_of(request), "stopped", upto=_seq_of(seq)):
             return notice_html("Stopping: the answer ends after the pass in progress.")
         return notice_html("Nothing is running.")
 

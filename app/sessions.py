@@ -219,11 +219,16 @@ class SessionRuns:
         with self._lock:
             return max(0, len(self._queues.get(session, ())) - 1) if session is not None else 0
 
-    def request_stop(self, session: str | None, reason: str = "stopped") -> bool:
+    def request_stop(self, session: str | None, reason: str = "stopped", upto: int | None = None) -> bool:
         """Ask the session's running turn to end (``"stopped"`` or ``"cleared"``); False if none runs. Waiting
-        messages are not touched: the next one starts when the run has ended."""
+        messages are not touched: the next one starts when the run has ended.
+
+        ``upto``: the page's number of the last message sent before Stop was clicked. A run numbered after it is
+        not stopped: its message was sent after the click, and reached the server first (Stop then Send travel
+        apart; the stopped answer may have ended meanwhile). None, or a run without a number (an API call): the
+        running turn, whichever it is."""
         ticket = self.current(session)
-        if ticket is None:
+        if ticket is None or (upto is not None and ticket.seq is not None and ticket.seq > upto):
             return False
         ticket.request_stop(reason)
         return True

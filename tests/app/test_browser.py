@@ -489,6 +489,30 @@ def test_stop_then_send_keeps_every_turn(page, served, busy):
         assert std[-2] and mtp[-2]  # the stopped turn's partial answers stay
 
 
+def test_a_stop_overtaken_by_the_next_send_leaves_that_turn_alone(page, served):
+    """Stop tells the server the number of the last message the page had sent when it was clicked. Here the page's
+    counter is set back by one while turn 2 streams, as if this Stop had been clicked before message 2 was sent and
+    reached the server after it (under load a Stop-then-Send can, and its stopped answer may have ended
+    meanwhile): turn 2 goes on and the notice says nothing of the user's was running. With the true number, Stop
+    ends turn 2."""
+    set_number(page, "max-new-tokens", 4)
+    send(page, "What is 2 plus 3?")
+    wait_status(page, "Turn 1: done in")
+    set_number(page, "max-new-tokens", 300)
+    send(page, "Write a long story about a dragon who learns to bake bread.")
+    wait_tokens(page, 2)
+    assert page.evaluate("window.mtpMessageNumber") == 2
+    page.evaluate("window.mtpMessageNumber = 1")
+    page.click("#stop")
+    _waited(page, "the notice that nothing was running", "() => (document.querySelector('#notice') || {innerText: ''})"
+            ".innerText.includes('Nothing is running')", None, TIMEOUT_MS)
+    assert "Turn 2: running" in page.inner_text("#status") and "running" in counter_states(page)
+    page.evaluate("window.mtpMessageNumber = 2")
+    page.click("#stop")
+    wait_status(page, "Turn 2: stopped")
+    assert answers(page, "chat-standard")[-1].strip() and no_error_badges(page)
+
+
 def test_enter_stop_then_another_message_loses_none(page, served, busy):
     """While an answer streams: type X and press Enter, Stop 0.3 s later, then replace the box with Y and Send at
     once, five times, on a loaded machine. X waits and is answered after the stopped turn, Y after X: no message

@@ -125,3 +125,21 @@ def test_messages_keep_the_order_they_were_sent_in_when_their_events_arrive_reve
     # messages without numbers (API tools, tests) keep their arrival order
     a, b = runs.enter("t"), runs.enter("t")
     assert a.started.is_set() and not b.started.is_set()
+
+
+def test_stop_ends_only_messages_sent_before_it():
+    """Stop carries the page's number of the last message sent before it was clicked. Stop then Send can reach the
+    server the other way round: when the stopped answer had already ended and the next message started first,
+    that Stop must not end the new turn (it was sent after the click)."""
+    runs = SessionRuns()
+    runs.arrive("s", 1)
+    first = runs.enter("s", 1)
+    first.release()  # message 1's answer ended before Stop reached the server
+    runs.arrive("s", 2)
+    second = runs.enter("s", 2)  # message 2, sent after the click, started first
+    assert not runs.request_stop("s", upto=1) and second.stop_reason() is None
+    assert runs.request_stop("s", upto=2) and second.stop_reason() == "stopped"  # a Stop clicked after message 2
+    second.release()
+    anonymous = runs.enter("api")  # no page number (an API client): Stop applies to what runs
+    assert runs.request_stop("api", upto=0) and anonymous.stop_reason() == "stopped"
+    anonymous.release()
