@@ -112,11 +112,6 @@ def seq_js(n_inputs: int) -> str:
             f"inputs[{n_inputs - 1}] = String(window.mtpMessageNumber); return inputs; }}")
 
 
-#: Before Stop is handed to the server: the number of the last message this page sent (:func:`seq_js`), so that a
-#: Stop overtaken by the next message's Send does not end that newer turn.
-STOP_JS = "(seq) => String(window.mtpMessageNumber || 0)"
-
-
 def header_html() -> str:
     """The page's title and two sentences on what it shows."""
     return (
@@ -314,7 +309,8 @@ def _wire(page: Page, c: SimpleNamespace) -> None:
                      concurrency_limit=CONCURRENCY, concurrency_id="generate", show_progress="hidden")
     c.api_summary.click(page.chat_summary, c.api_chat_inputs, c.api_summary_output, api_name="chat_summary",
                         concurrency_limit=CONCURRENCY, concurrency_id="generate", show_progress="hidden")
-    c.stop.click(page.stop, c.seq, c.notice, js=STOP_JS, **quiet)
+    # Stop carries the number of the last message sent (seq_js): a Stop overtaken by the next Send spares that turn
+    c.stop.click(page.stop, c.seq, c.notice, js="(seq) => String(window.mtpMessageNumber || 0)", **quiet)
     c.clear.click(page.clear, c.strategy, outputs[1:], **quiet)
     controls = [c.strategy, c.model_key, c.k_max, c.shape, c.tau]
     c.strategy.change(page.on_strategy, controls, [c.tau_column, c.k_max, c.k, c.shape, c.strategy_help, c.tradeoff],
