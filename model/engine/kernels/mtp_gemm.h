@@ -294,15 +294,18 @@ TGT2 static void mk_avx2_v2(const void* w, int64_t k, const float* x, int64_t ld
     for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + r * ldo + c * 8, acc[r][c]);
 }
 
+// The AVX2 kernel for R rows and V blocks: every choice does mk_avx2's multiply-adds in its order.
+template <int R, int V, bool BF16>
+TGT2 static void mk_avx2_pick(const void* w, int64_t k, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  if (V == 1) mk_avx2_v1<R, BF16>(w, k, x, ldx, out, ldo);
+  else if (V == 2 && R <= 3) mk_avx2_v2<R, BF16>(w, k, x, ldx, out, ldo);
+  else mk_avx2<R, V, BF16>(w, k, x, ldx, out, ldo);
+}
 template <int R, int V>
 TGT2 static void mk_avx2_bf16(const void* w, int64_t k, const float* x, int64_t ldx, float* out, int64_t ldo) {
-  if (V == 1) mk_avx2_v1<R, true>(w, k, x, ldx, out, ldo);
-  else if (V == 2 && R <= 3) mk_avx2_v2<R, true>(w, k, x, ldx, out, ldo);
-  else mk_avx2<R, V, true>(w, k, x, ldx, out, ldo);
+  mk_avx2_pick<R, V, true>(w, k, x, ldx, out, ldo);
 }
 template <int R, int V>
 TGT2 static void mk_avx2_f32(const void* w, int64_t k, const float* x, int64_t ldx, float* out, int64_t ldo) {
-  if (V == 1) mk_avx2_v1<R, false>(w, k, x, ldx, out, ldo);
-  else if (V == 2 && R <= 3) mk_avx2_v2<R, false>(w, k, x, ldx, out, ldo);
-  else mk_avx2<R, V, false>(w, k, x, ldx, out, ldo);
+  mk_avx2_pick<R, V, false>(w, k, x, ldx, out, ldo);
 }
