@@ -67,6 +67,9 @@ def headline(state: TurnState) -> tuple[str, bool]:
         ``(sentence, warn)``, e.g. ``("ConfAdapt tau=0.90 k_max=4: 1.32× faster, identical answer.", False)``.
     """
     label, sp = state.strategy.label, state.speed
+    if sp is None and state.final:  # ended in the prompt or before both sides' first tokens: nothing to compare
+        how = {"stopped": "was stopped", "cleared": "was cleared", "error": "failed"}.get(state.phase, "ended")
+        return f"{label} vs standard decoding: no speed to compare, the turn {how} before both sides' first tokens.", False
     if sp is None and state.prefill is not None:
         done, total = state.prefill
         return (f"{label} vs standard decoding: reading the prompt, {done:,} of {total:,} tokens (both sides' prompts "

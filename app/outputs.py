@@ -163,7 +163,7 @@ def plain_outputs(updates: Iterator[tuple], initial: dict) -> tuple:
 
 def box_command(value: Any, sent: str) -> Any:
     """The page's message-box update for a turn's ``message`` output, as a command for the box's script
-    (:data:`app.ui.BOX_JS`), which never replaces a message the user typed since: ``""`` (the message was taken)
+    (:data:`app.scripts.BOX_JS`), which never replaces a message the user typed since: ``""`` (the message was taken)
     clears the box only if it still holds ``sent``; a text (the turn could not start) is put back only into an
     empty box, else after what the box holds. Anything else (``gr.skip()``) passes through."""
     if not isinstance(value, str):

@@ -40,6 +40,7 @@ from .quality import answer_point
 from .registry import ModelRegistry
 from .requests import (STRATEGY_CHOICES, TurnRequest, app_k_max, check_page_controls, check_settings, k_max_limit,
                        load_examples, parse_history, parse_source)
+from .scripts import REPEAT, message_number
 from .sessions import MAX_WAITING, SessionRuns, stop_requested
 from .timing import width_pairs
 from .turn import history_after, prepare_turn, run_turn
@@ -55,14 +56,6 @@ PANE_EVERY_S = float(os.environ.get("MTP_APP_PANE_EVERY_S", "0.12"))
 
 #: Seconds a message waits for one the page sent before it that has not reached the server, before it starts anyway.
 ORDER_GRACE_S = 2.0
-
-
-def _seq_of(value: Any) -> int | None:
-    """The page's message number from its hidden box (None when absent or not a number)."""
-    try:
-        return int(float(value)) if value not in (None, "") else None
-    except (TypeError, ValueError):
-        return None
 
 
 def session_of(request: Any) -> str | None:
@@ -210,8 +203,8 @@ class Page(ApiHandlers):
             check_settings(request)  # a message refused never takes a place in the queue (it stays in the box)
         except RequestError as e:
             self.sessions.settle(session)
-            # while the session's turn answers, its status line stays its own: the notice says why
-            yield error_outputs(str(e), in_notice=self.sessions.current(session) is not None)
+            # the status line stays the session's turn's (answering or ended): the notice says why
+            yield error_outputs(str(e), in_notice=self._status_is_a_turns(session))
             return
         ticket = self.sessions.enter(session, seq)
         if ticket is None:
@@ -262,6 +255,11 @@ class Page(ApiHandlers):
                 out = cleared_outputs(choice) if final else out
             yield out
 
+    def _status_is_a_turns(self, session: str | None) -> bool:
+        """Whether the page's status line shows a turn of ``session`` (one answering, or the last one's outcome):
+        a message refused then is explained in the notice, and that status stays."""
+        return self.sessions.current(session) is not None or bool(self.sessions.conversation(session, []))
+
     def _keep_extra(self, key: tuple, session: str | None, extra: dict) -> None:
         if extra.get("profile") and self.facts.profile(key) is None:
             self.facts.put_profile(key, WidthProfile.from_dict(extra["profile"]))
@@ -276,14 +274,17 @@ class Page(ApiHandlers):
         controls the strategy uses is refused (:func:`~app.requests.check_page_controls`), never read as a
         default. ``seq``: the page's number for the message (its script counts Sends), so that two messages sent
         moments apart are answered in the order they were sent (:meth:`~app.sessions.SessionRuns.enter`)."""
+        if seq == REPEAT:  # the message just sent, sent again at once (a double click): nothing changes
+            yield outputs_of()
+            return
         sent = "" if message is None else str(message)
-        seq = _seq_of(seq)
+        seq = message_number(seq)
         try:
             check_page_controls(strategy, tau, k_max, k)
         except RequestError as e:
             self.sessions.arrive(session_of(request), seq)
             self.sessions.settle(session_of(request))
-            out = error_outputs(str(e), in_notice=self.sessions.current(session_of(request)) is not None)
+            out = error_outputs(str(e), in_notice=self._status_is_a_turns(session_of(request)))
             yield (box_command(out[0], sent),) + tuple(out[1:])
             return
         turn = TurnRequest(message, history, strategy, tau, k_max, k, max_new_tokens, model_key, shape,
@@ -297,7 +298,7 @@ class Page(ApiHandlers):
         starts). Acknowledged at once in the notice; the run then says it stopped. ``seq``: the page's number of
         the last message sent before the click (its script fills it in); a turn numbered after it is not stopped,
         as its message was sent after the click (:meth:`app.sessions.SessionRuns.request_stop`)."""
-        if self.sessions.request_stop(session_of(request), "stopped", upto=_seq_of(seq)):
+        if self.sessions.request_stop(session_of(request), "stopped", upto=message_number(seq)):
             return notice_html("Stopping: the answer ends after the pass in progress.")
         return notice_html("Nothing is running.")
 

@@ -358,7 +358,7 @@ def device_note_html(profile: WidthProfile | None, shape: LosslessShape | None) 
             else f"{shape.describe()}, expected {shape.speedup:.2f}× standard decoding's speed")
     return ('<div class="mtp-device-note" role="note"><b>MTP cannot be fast on this device:</b> '
             f"{esc(width_text(profile))}. MTP gains only where a pass over several tokens costs about what a "
-            "one-token pass costs (a GPU, or a CPU with native bf16); this CPU has no native bf16, so expect the "
+            "one-token pass costs (a GPU, or a CPU with bf16 instructions); this CPU has none, so expect the "
             f"MTP side to run slower than standard decoding. Fastest lossless setting here: {esc(best)}.</div>")
 
 

@@ -40,6 +40,7 @@ from .requests import (
     QUANTIZATIONS,
     STRATEGY_CHOICES,
 )
+from .scripts import BOX_JS, HEAD, STOP_JS, seq_js
 from .sessions import SessionRuns
 
 PAPER_URL = "https://arxiv.org/abs/2602.06019"
@@ -59,58 +60,6 @@ MCP_SERVER = os.environ.get("MTP_APP_MCP", "1") != "0"
 LIKE_WITH_LIKE = ("Both panes answer the same conversation: from turn 2 on, the earlier turns carry the standard "
                   "answer (left) as context, so the two sides always answer the same prompt and their times compare "
                   "like with like.")
-
-#: Page-level CSS that Gradio would scope under its content container (it only reaches ancestors from
-#: the document's head): narrower page margins on phones.
-HEAD = """<style>
-@media (max-width: 640px) { .gradio-container .main.app {padding-left: 8px !important; padding-right: 8px !important} }
-</style>
-<script>
-/* The message as it is at the moment Enter or Send is pressed. Gradio reads an event's inputs a moment later:
-   typing the next message at once (two Enters 25 ms apart) sent that one twice and lost the first. */
-(() => {
-  const sent = window.mtpSent = [];
-  const take = () => {
-    const box = document.querySelector('#message textarea');
-    if (box) sent.push({text: box.value, at: performance.now()});
-  };
-  document.addEventListener('keydown', (e) => {
-    if (e.key === 'Enter' && !e.shiftKey && !e.isComposing && e.target.closest && e.target.closest('#message')) take();
-  }, true);
-  document.addEventListener('click', (e) => {
-    if (e.target.closest && e.target.closest('#send')) take();
-  }, true);
-})();
-</script>"""
-
-
-
-#: The message box's script for the turn's box commands (:func:`app.outputs.box_command`): a message the user
-#: typed since the one sent is never replaced.
-BOX_JS = """(command, current) => {
-  if (!command) return current;
-  let c; try { c = JSON.parse(command); } catch (e) { return current; }
-  if (c.clear !== undefined) return current === c.clear ? "" : current;
-  if (c.restore !== undefined) {
-    if (!current || !current.trim() || current === c.restore) return c.restore;
-    return current.includes(c.restore) ? current : current + "\\n" + c.restore;
-  }
-  return current;
-}"""
-
-
-def seq_js(n_inputs: int) -> str:
-    """Before each Send / Enter is handed to the server: the message as it was when the key or button was pressed
-    (:data:`HEAD`'s script keeps it; entries older than 2 s are stale), and its number (1, 2, ... per page) in the
-    hidden last of its ``n_inputs`` inputs, so that the server answers messages in the order they were sent even
-    when their events arrive the other way round. (Gradio hands the script the inputs' values, then the outputs';
-    what it returns replaces the inputs.)"""
-    return ("(...args) => { window.mtpMessageNumber = (window.mtpMessageNumber || 0) + 1; "
-            f"const inputs = args.slice(0, {n_inputs}); const sent = window.mtpSent || []; "
-            "while (sent.length && performance.now() - sent[0].at > 2000) sent.shift(); "
-            "if (sent.length) inputs[0] = sent.shift().text; "
-            f"inputs[{n_inputs - 1}] = String(window.mtpMessageNumber); return inputs; }}")
-
 
 def header_html() -> str:
     """The page's title and two sentences on what it shows."""
@@ -309,8 +258,7 @@ def _wire(page: Page, c: SimpleNamespace) -> None:
                      concurrency_limit=CONCURRENCY, concurrency_id="generate", show_progress="hidden")
     c.api_summary.click(page.chat_summary, c.api_chat_inputs, c.api_summary_output, api_name="chat_summary",
                         concurrency_limit=CONCURRENCY, concurrency_id="generate", show_progress="hidden")
-    # Stop carries the number of the last message sent (seq_js): a Stop overtaken by the next Send spares that turn
-    c.stop.click(page.stop, c.seq, c.notice, js="(seq) => String(window.mtpMessageNumber || 0)", **quiet)
+    c.stop.click(page.stop, c.seq, c.notice, js=STOP_JS, **quiet)
     c.clear.click(page.clear, c.strategy, outputs[1:], **quiet)
     controls = [c.strategy, c.model_key, c.k_max, c.shape, c.tau]
     c.strategy.change(page.on_strategy, controls, [c.tau_column, c.k_max, c.k, c.shape, c.strategy_help, c.tradeoff],

@@ -558,6 +558,23 @@ def test_two_quick_enters_are_answered_in_order(page, served, busy):
         assert page.input_value("#message textarea") == ""
 
 
+def test_a_double_click_on_send_sends_once_and_a_stray_send_keeps_the_status(page, served):
+    """A double click on Send is one message: one turn answers it (the page's script numbers the second click's
+    event as a repeat, which the server ignores). A later click on Send, the box now empty, says so in the notice
+    and leaves the finished turn's status line as it was."""
+    set_number(page, "max-new-tokens", 4)
+    page.fill("#message textarea", "What is 2 plus 2?")
+    page.dblclick("#send")
+    status = wait_status(page, "Turn 1: done in")
+    page.wait_for_function("() => document.querySelector('#message textarea').value === ''")
+    page.click("#send")
+    _waited(page, "the notice that the message is empty", "() => (document.querySelector('#notice') || "
+            "{innerText: ''}).innerText.includes('The message is empty')", None, TIMEOUT_MS)
+    assert page.inner_text("#status") == status and page.evaluate("window.mtpMessageNumber") == 2
+    assert questions(page, "chat-standard") == questions(page, "chat-mtp") == ["What is 2 plus 2?"]
+    assert len(answers(page, "chat-mtp")) == 1 and no_error_badges(page)
+
+
 @pytest.mark.parametrize("size", [(390, 844), (1280, 900)])
 def test_notices_never_cover_the_controls(browser, served, size):
     """Errors and refusals are said in the page, under the controls: no toast, and Stop stays clickable."""

@@ -333,6 +333,9 @@ def test_stop_during_a_long_prefill_acts_within_one_chunk(tiny_registry):
     assert chunks[1][0] == 2 * PREFILL_CHUNK and [s.last for s in states[1:3]] == ["standard", "mtp"]
     assert "reading the prompt" in headline.headline(states[2])[0] and "of" in headline.turn_status(states[2])[0]
     assert not states[-1].standard.passes and not states[-1].mtp.passes  # stopped inside the prefill
+    # the last headline says the turn ended there, not that the prompt is still being read
+    last = headline.headline(states[-1])[0]
+    assert "reading the prompt" not in last and "no speed to compare, the turn was stopped" in last, last
 
 
 def test_a_follow_up_after_a_long_turn_computes_its_own_tokens(tiny_registry):

@@ -444,6 +444,31 @@ def test_a_message_refused_during_a_run_stays_in_the_box_and_leaves_the_run_alon
     assert "The message is empty" in idle[0]["status"] and idle[0]["notice"] == ""
 
 
+def test_after_a_turn_a_stray_send_leaves_its_status_and_a_double_click_sends_once(tiny_registry):
+    """Once a turn of the session has ended, the status line keeps its outcome: an empty Send (a second click after
+    the message was taken from the box) is explained in the notice instead. The message just sent, sent again at
+    once (the page's script numbers it REPEAT: a double click on Send), changes nothing and is not answered."""
+    import gradio as gr
+
+    from app import build_app
+    from app.scripts import REPEAT
+
+    demo = build_app(tiny_registry, preload=False)
+    sessions, chat = demo.mtp_sessions, _chat_of(demo)
+    key = ("tiny", "none", "auto")
+    args = ("ConfAdapt", 0.9, 4, 3, 4, "linear", key)
+    done = [dict(zip(ui.TURN_OUTPUTS, o)) for o in chat("hi", [], *args, seq="1", request=_request("s"))]
+    assert done[-1]["result"]["phase"] == "done" and "Turn 1: done" in done[-1]["status"]
+    again = [dict(zip(ui.TURN_OUTPUTS, o)) for o in chat("hi", [], *args, seq=REPEAT, request=_request("s"))]
+    assert again == [dict.fromkeys(ui.TURN_OUTPUTS, gr.skip())]
+    empty = [dict(zip(ui.TURN_OUTPUTS, o)) for o in chat("", [], *args, seq="2", request=_request("s"))]
+    assert len(empty) == 1 and "The message is empty" in empty[0]["notice"] and empty[0]["status"] == gr.skip()
+    assert [m["content"] for m in sessions.conversation("s", []) if m["role"] == "user"] == ["hi"]
+    assert sessions.current("s") is None and sessions.waiting("s") == 0
+    nxt = [dict(zip(ui.TURN_OUTPUTS, o)) for o in chat("and then?", [], *args, seq="3", request=_request("s"))]
+    assert "Turn 2: done" in nxt[-1]["status"]  # the numbers the script skipped for the repeat leave no gap
+
+
 def test_a_turn_that_ends_without_its_last_update_keeps_its_message(tiny_registry):
     """A run whose handler is closed mid-turn (the page went away, an error while drawing) still records its message
     and partial answers before the next turn may start: that turn continues the conversation with it."""

@@ -217,6 +217,15 @@ def test_off_runs_the_torch_fast_path(base_tokenizer, monkeypatch):
     assert lm.forward_path.startswith("fast path") and "MTP_KERNELS=off" in lm.forward_path
 
 
+@pytest.mark.parametrize("isa", _isa_params())
+def test_the_path_says_how_bf16_is_computed(base_tokenizer, monkeypatch, isa):
+    """The path's line (the page's model line, the CLIs') says that AVX2, which has no bf16 instructions, widens
+    the bf16 weights to float32; the bf16 paths say bfloat16 alone."""
+    lm = on_kernels(_tiny(base_tokenizer), isa, monkeypatch)
+    widened = "bfloat16 weights widened to float32" in lm.forward_path
+    assert widened == (isa == "avx2") and "bfloat16" in lm.forward_path, lm.forward_path
+
+
 def test_float64_and_float16_keep_the_torch_path(base_tokenizer, monkeypatch):
     if not RUNNABLE:
         pytest.skip("no kernel path on this CPU")
