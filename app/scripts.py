@@ -36,7 +36,6 @@ HEAD = """<style>
 </script>"""
 
 
-
 #: The message box's script for the turn's box commands (:func:`app.outputs.box_command`): a message the user
 #: typed since the one sent is never replaced.
 BOX_JS = """(command, current) => {

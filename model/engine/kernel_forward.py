@@ -224,7 +224,7 @@ class KernelForward:
         """One line: what this path does (the CLI, the benchmark and the app show it)."""
         parts = [f"our kernels ({self.isa})", str(self.dtype).replace("torch.", "")]
         if self.dtype == torch.bfloat16 and self.isa == "avx2":  # no bf16 instructions: widened, summed in float32
-            parts[1] = "bfloat16 weights widened to float32 (this CPU has no bf16 instructions)"
+            parts[1] = "bfloat16 weights widened to float32 (AVX2 has no bf16 instructions)"
         if self.emulated:
             parts.append("AMX emulated in software")
         if self.adapter_kind:
