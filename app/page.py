@@ -204,7 +204,7 @@ class Page(ApiHandlers):
         except RequestError as e:
             self.sessions.settle(session)
             # the status line stays the session's turn's (answering or ended): the notice says why
-            yield error_outputs(str(e), in_notice=self._status_is_a_turns(session))
+            yield error_outputs(str(e), in_notice=self._status_shows_a_turn(session))
             return
         ticket = self.sessions.enter(session, seq)
         if ticket is None:
@@ -255,7 +255,7 @@ class Page(ApiHandlers):
                 out = cleared_outputs(choice) if final else out
             yield out
 
-    def _status_is_a_turns(self, session: str | None) -> bool:
+    def _status_shows_a_turn(self, session: str | None) -> bool:
         """Whether the page's status line shows a turn of ``session`` (one answering, or the last one's outcome):
         a message refused then is explained in the notice, and that status stays."""
         return self.sessions.current(session) is not None or bool(self.sessions.conversation(session, []))
@@ -284,7 +284,7 @@ class Page(ApiHandlers):
         except RequestError as e:
             self.sessions.arrive(session_of(request), seq)
             self.sessions.settle(session_of(request))
-            out = error_outputs(str(e), in_notice=self._status_is_a_turns(session_of(request)))
+            out = error_outputs(str(e), in_notice=self._status_shows_a_turn(session_of(request)))
             yield (box_command(out[0], sent),) + tuple(out[1:])
             return
         turn = TurnRequest(message, history, strategy, tau, k_max, k, max_new_tokens, model_key, shape,
