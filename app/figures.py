@@ -1,7 +1,7 @@
 """Plotly figures drawn from pass records (no model code here).
 
 * :func:`passes_figure` — the animated figure: one frame per forward pass of the MTP side (paper
-  3.4, 4.5). Top: tokens kept by every pass so far. Bottom, for block strategies: the pass's
+  3.4, 4.5). Top: tokens kept by every pass, the frame's pass marked. Bottom, for block strategies: the pass's
   ``k_max`` proposals with their confidence, the first (the model's ordinary next token, always
   kept) marked apart, the kept ones green, the tau line; for lossless verification: the drafts the
   pass checked (accepted green, the rejected one red), the model's own token (its correction or
@@ -59,12 +59,17 @@ def _token_label(text: str) -> str:
     return shown if len(shown) <= 12 else shown[:11] + "…"
 
 
-def _kept_bars(records: Sequence[PassRecord], upto: int) -> dict:
-    xs = [r.index + 1 for r in records[: upto + 1]]
-    ys = [len(r.kept) for r in records[: upto + 1]]
-    colours = [BAR_NOW if i == upto else BAR_PAST for i in range(upto + 1)]
-    return {"type": "bar", "x": xs, "y": ys, "marker": {"color": colours}, "name": "tokens kept",
+def _kept_bars(records: Sequence[PassRecord]) -> dict:
+    """Tokens kept by every pass (the top row, the same in every frame)."""
+    return {"type": "bar", "x": [r.index + 1 for r in records], "y": [len(r.kept) for r in records],
+            "marker": {"color": BAR_PAST}, "name": "tokens kept",
             "hovertemplate": "pass %{x}: %{y} token(s) kept<extra></extra>"}
+
+
+def _now_bar(rec: PassRecord) -> dict:
+    """The pass a frame shows, drawn over its bar in the top row."""
+    return {"type": "bar", "x": [rec.index + 1], "y": [len(rec.kept)], "marker": {"color": BAR_NOW},
+            "name": "this pass", "hovertemplate": "pass %{x}: %{y} token(s) kept<extra></extra>"}
 
 
 def _block_bars(rec: PassRecord) -> dict:
@@ -166,19 +171,23 @@ def _frame_title(rec: PassRecord, n: int) -> str:
     return f"Pass {rec.index + 1} of {n}: kept {k} ({BLOCK_END_WORDS.get(rec.block_end, rec.block_end)}){shared}"
 
 
-def passes_figure(records: Sequence[PassRecord], strategy: Strategy | None) -> dict:
+def passes_figure(records: Sequence[PassRecord], strategy: Strategy | None, animate: bool = True) -> dict:
     """The animated per-pass figure: one Plotly frame per forward pass.
 
     Args:
         records: the MTP side's pass records, in order (may be empty).
         strategy: the MTP strategy (its tau line, its k_max, whether it verifies drafts).
+        animate: with frames, Play / Pause and the pass slider (the finished answer's figure). False: the last
+            pass only, for an answer still streaming, whose figure is replaced before anyone could play it.
 
     Returns:
-        A Plotly figure as a dict (``data``, ``layout``, ``frames``) whose ``frames`` has
+        A Plotly figure as a dict (``data``, ``layout``, ``frames``); animated, its ``frames`` has
         ``len(records)`` entries (named ``"0"``, ``"1"``, ...), with Play / Pause buttons and a
-        pass slider; the data shown initially is the last pass. The frames are plain dicts (not
-        validated ``go.Frame`` objects): re-rendered on every streamed update, validating them
-        would cost ~2.5 ms per frame.
+        pass slider, else none. The data shown initially is the last pass. ``data``: every pass's kept
+        tokens (trace 0, the same in every frame), the shown pass's bar drawn over it (1) and its
+        block (2); a frame sets traces 1 and 2 (its ``data``, in that order) and the title. The
+        figure is re-rendered on every streamed update, so its traces and frames are plain dicts
+        (validating them grew with the answer: ~2.5 ms a frame).
     """
     verifies = bool(strategy is not None and strategy.lossless)
     k_max = strategy.k_max if strategy is not None else 1
@@ -202,46 +211,55 @@ def passes_figure(records: Sequence[PassRecord], strategy: Strategy | None) -> d
         out["frames"] = []
         return out
 
-    def traces(i: int) -> list[dict]:
-        return [_kept_bars(records, i), _verify_bars(records, i) if verifies else _block_bars(records[i])]
+    def traces(i: int) -> list[dict]:  # what a frame changes: the top row's bar of pass i, and its block
+        return [_now_bar(records[i]), _verify_bars(records, i) if verifies else _block_bars(records[i])]
 
     last = n - 1
-    for t, row in zip(traces(last), (1, 2)):
-        fig.add_trace(go.Bar(t), row=row, col=1)
+    for row in (1, 1, 2):  # every pass's kept tokens, the pass shown over its bar, that pass's block: plain dicts
+        fig.add_trace(go.Bar(), row=row, col=1)  # filled in below (validating them grows with the answer)
     if tau is not None:
         fig.add_hline(y=tau, line_dash="dash", line_color="#444", row=2, col=1,
                       annotation_text=f"tau {tau:.2f}", annotation_position="top right")
     # rotated token labels: automargin keeps the first ones inside the figure on a phone (390 px)
     fig.update_xaxes(tickangle=-50, type="category", automargin=True, row=2, col=1)
-    step_args = {"frame": {"duration": 0, "redraw": True}, "mode": "immediate", "transition": {"duration": 0}}
-    fig.update_layout(
-        title={"text": _frame_title(records[last], n), "x": 0.0, "xanchor": "left", "font": {"size": 14}},
-        height=600,
-        showlegend=False,
-        autosize=True,
-        margin=dict(l=45, r=10, t=70, b=175),
-        updatemenus=[{
-            "type": "buttons", "direction": "left", "x": 0.0, "y": -0.24, "xanchor": "left", "yanchor": "top",
-            "pad": {"t": 0, "r": 0}, "showactive": False,
-            "buttons": [
-                {"label": "▶ Play", "method": "animate",
-                 "args": [None, {"frame": {"duration": 350, "redraw": True}, "fromcurrent": True,
-                                 "transition": {"duration": 0}, "mode": "immediate"}]},
-                {"label": "❚❚ Pause", "method": "animate", "args": [[None], step_args]},
-            ],
-        }],
-        sliders=[{
-            "active": last, "x": 0.0, "len": 1.0, "y": -0.33, "yanchor": "top", "pad": {"t": 30, "b": 0},
-            "currentvalue": {"prefix": "pass ", "visible": True, "xanchor": "right", "font": {"color": "#333"}},
-            # beyond ~20 passes the step labels overlap: hide them, the current value still shows
-            "font": {"color": "#333" if n <= 20 else "rgba(0,0,0,0)"},
-            "steps": [{"label": str(i + 1), "method": "animate", "args": [[str(i)], step_args]} for i in range(n)],
-        }],
-    )
+    fig.update_layout(title={"text": _frame_title(records[last], n), "x": 0.0, "xanchor": "left", "font": {"size": 14}},
+                      height=600, showlegend=False, autosize=True, barmode="overlay",
+                      margin=dict(l=45, r=10, t=70, b=175))
     out = fig.to_dict()
-    out["frames"] = [{"name": str(i), "data": traces(i), "traces": [0, 1],
-                      "layout": {"title": {"text": _frame_title(records[i], n)}}} for i in range(n)]
+    for trace, filled in zip(out["data"], [_kept_bars(records)] + traces(last)):
+        trace.update(filled)
+    out["frames"] = []
+    if animate:
+        out["layout"]["updatemenus"], out["layout"]["sliders"] = _animation_controls(n)
+        # a frame holds only what changes (the pass's bar and block): a turn's frames grow with its passes, not
+        # with their square, as when each frame drew every pass's bar up to its own
+        out["frames"] = [{"name": str(i), "data": traces(i), "traces": [1, 2],
+                          "layout": {"title": {"text": _frame_title(records[i], n)}}} for i in range(n)]
     return out
+
+
+def _animation_controls(n: int) -> tuple[list[dict], list[dict]]:
+    """The pass figure's Play / Pause buttons and its slider over ``n`` frames (the last one shown), as Plotly's
+    ``updatemenus`` and ``sliders``."""
+    step_args = {"frame": {"duration": 0, "redraw": True}, "mode": "immediate", "transition": {"duration": 0}}
+    buttons = [{
+        "type": "buttons", "direction": "left", "x": 0.0, "y": -0.24, "xanchor": "left", "yanchor": "top",
+        "pad": {"t": 0, "r": 0}, "showactive": False,
+        "buttons": [
+            {"label": "▶ Play", "method": "animate",
+             "args": [None, {"frame": {"duration": 350, "redraw": True}, "fromcurrent": True,
+                             "transition": {"duration": 0}, "mode": "immediate"}]},
+            {"label": "❚❚ Pause", "method": "animate", "args": [[None], step_args]},
+        ],
+    }]
+    slider = [{
+        "active": n - 1, "x": 0.0, "len": 1.0, "y": -0.33, "yanchor": "top", "pad": {"t": 30, "b": 0},
+        "currentvalue": {"prefix": "pass ", "visible": True, "xanchor": "right", "font": {"color": "#333"}},
+        # beyond ~20 passes the step labels overlap: hide them, the current value still shows
+        "font": {"color": "#333" if n <= 20 else "rgba(0,0,0,0)"},
+        "steps": [{"label": str(i + 1), "method": "animate", "args": [[str(i)], step_args]} for i in range(n)],
+    }]
+    return buttons, slider
 
 
 def animated_html(fig: go.Figure | dict, *, height: int = 620, plotly_js_url: str = PLOTLY_JS_URL) -> str:

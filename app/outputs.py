@@ -40,10 +40,12 @@ def figure_caption(strategy_choice: str) -> str:
 
 
 def figure_html(state: TurnState | None, strategy_choice: str = "ConfAdapt") -> str:
-    """Caption + the animated figure of the MTP side's passes."""
+    """Caption + the figure of the MTP side's passes: animated once the turn has ended (while it streams, the last
+    pass only: re-sent at every figure update, each frame would cost the page's browser its drawing again)."""
     records = state.mtp.passes if state is not None else []
     strategy = state.strategy if state is not None else None
-    return figure_caption(strategy_choice) + figures.animated_html(figures.passes_figure(records, strategy))
+    animate = state is None or state.final
+    return figure_caption(strategy_choice) + figures.animated_html(figures.passes_figure(records, strategy, animate))
 
 
 def mtp_title(label: str | None) -> str:

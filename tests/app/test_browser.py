@@ -174,7 +174,7 @@ def screenshot(pg, name: str, capsys) -> Path:
 # ---------------------------------------------------------------------------- one run per session, Stop, Clear
 def test_one_run_per_session_and_stop_and_clear_end_cleanly(page, served):
     _, _, lm = served
-    set_number(page, "max-new-tokens", 300)
+    set_number(page, "max-new-tokens", 1000)
     set_number(page, "k-max", 4)
     send(page, "Write a long story about a dragon who learns to bake bread.")
     wait_tokens(page, 2)
@@ -205,7 +205,7 @@ def test_one_run_per_session_and_stop_and_clear_end_cleanly(page, served):
     page.fill("#message textarea", "")
 
     # Clear during streaming, three times: always a clean, stated, empty page
-    set_number(page, "max-new-tokens", 300)
+    set_number(page, "max-new-tokens", 1000)
     for i in range(3):
         send(page, f"Tell me a long story number {i}.")
         wait_tokens(page, 1)
@@ -498,7 +498,7 @@ def test_a_stop_overtaken_by_the_next_send_leaves_that_turn_alone(page, served):
     set_number(page, "max-new-tokens", 4)
     send(page, "What is 2 plus 3?")
     wait_status(page, "Turn 1: done in")
-    set_number(page, "max-new-tokens", 300)
+    set_number(page, "max-new-tokens", 1000)  # turn 2 must outlast both Stops' round trips on a loaded machine
     send(page, "Write a long story about a dragon who learns to bake bread.")
     wait_tokens(page, 2)
     assert page.evaluate("window.mtpMessageNumber") == 2
@@ -521,7 +521,7 @@ def test_enter_stop_then_another_message_loses_none(page, served, busy):
     for i in range(5):
         page.click("#clear")  # each try starts a new conversation: three turns, short prompts
         wait_status(page, "Cleared")
-        set_number(page, "max-new-tokens", 300)
+        set_number(page, "max-new-tokens", 1000)
         story = f"Tell me a long story, number {i}."
         send(page, story)
         wait_tokens(page, 1)
@@ -585,7 +585,7 @@ def test_notices_never_cover_the_controls(browser, served, size):
         wait_status(pg, "got 33")
         assert pg.locator(".toast-body").count() == 0 and stop_is_on_top(pg)
         set_number(pg, "k-max", 4)
-        set_number(pg, "max-new-tokens", 300)
+        set_number(pg, "max-new-tokens", 1000)
         send(pg, "Tell me a long story about the sea.")
         wait_tokens(pg, 1)
         pg.fill("#message textarea", "And another one?")

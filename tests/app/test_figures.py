@@ -82,6 +82,42 @@ SWEEP = Sweep.from_dict({"model": "m", "n_prompts": 5, "max_new_tokens": 48, "po
 ]})
 
 
+def test_a_frame_draws_its_pass_over_every_passs_bar_and_frames_grow_linearly():
+    """The top row's bars (tokens kept by every pass) are drawn once; a frame sets only the bar of its pass, drawn
+    over that one, its block and its title: the figure a turn re-renders on every update grows with its passes,
+    not with their square (each frame drawing every bar up to its own made 283 passes a 1 MB figure)."""
+    import json
+
+    from model.engine.decoding import PassRecord
+    from model.engine.strategies import confadapt
+
+    def records(n):
+        out = []
+        for i in range(n):
+            kept = 1 + i % 3
+            out.append(PassRecord(index=i, fed_real=1, fed_masks=3, proposals=[5, 6, 7, 8],
+                                  proposal_texts=["a", "b", "c", "d"], confidences=[0.9, 0.95, 0.92, 0.4][:4],
+                                  kept=[5, 6, 7][:kept], text="abc"[:kept], accepted=kept, seconds=0.01))
+        return out
+
+    recs = records(100)
+    fig = figures.passes_figure(recs, confadapt(0.9, 4))
+    top, now, block = fig["data"]
+    assert top["x"] == list(range(1, 101)) and top["y"] == [len(r.kept) for r in recs]
+    assert now["x"] == [100] and now["y"] == [len(recs[-1].kept)] and fig["layout"]["barmode"] == "overlay"
+    assert block["xaxis"] == "x2" and block["x"] == ["1:a", "2:b", "3:c", "4:d"]
+    for rec, frame in zip(recs, fig["frames"]):
+        assert frame["traces"] == [1, 2]
+        assert frame["data"][0]["x"] == [rec.index + 1] and frame["data"][0]["y"] == [len(rec.kept)]
+        assert frame["data"][1]["marker"]["color"].count(figures.KEPT) == len(rec.kept) - 1
+    size = len(json.dumps(fig))
+    assert len(json.dumps(figures.passes_figure(records(400), confadapt(0.9, 4)))) < 5 * size  # 4x the passes
+    # while the answer streams: the same last pass, no frames and no controls to play them
+    still = figures.passes_figure(recs, confadapt(0.9, 4), animate=False)
+    assert still["data"] == fig["data"] and still["frames"] == [] and len(json.dumps(still)) < size / 10
+    assert not still["layout"].get("sliders") and not still["layout"].get("updatemenus")
+
+
 def test_empty_figures_have_no_axis_below_zero():
     """Before the first pass the figures draw the axes a pass will have: nothing below zero."""
     from model.engine.strategies import confadapt

@@ -43,6 +43,20 @@ def test_speed_estimate_survives_load_spikes_and_drift():
     assert estimate_speedup(std, mtp2).pass_cost == pytest.approx(1.5, rel=0.01)
 
 
+def test_the_interval_resamples_medians_as_statistics_median_takes_them():
+    """The bootstrap draws all its resamples at once; each resample's median is :func:`statistics.median`'s: of an
+    even count, the mean of the middle two (six passes of 1 s and 3 s resample to typical passes of 1, 2 or 3 s,
+    never only 1 or 3). The same seed gives the same values."""
+    from app.timing import _resampled_ratios
+
+    own = [1.0, 1.0, 1.0, 3.0, 3.0, 3.0]
+    pairs = [(s, 2 * s) for s in own]
+    typical = _resampled_ratios(pairs, own, 300, 0, lambda d_std, d_mtp: d_std)
+    assert set(typical) == {1.0, 2.0, 3.0} and typical == sorted(typical)
+    assert set(_resampled_ratios(pairs, own, 300, 0, lambda d_std, d_mtp: d_mtp / d_std)) == {2.0}
+    assert _resampled_ratios(pairs, own, 300, 0, lambda d_std, d_mtp: d_std) == typical
+
+
 @pytest.mark.integration
 def test_static_k1_reads_the_same_speed_as_standard_beside_another_session(registry, one_torch_thread):
     """Static k = 1 is the same computation as standard decoding, run beside another session whose rows share
