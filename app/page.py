@@ -24,16 +24,8 @@ from . import render, tradeoff
 from .api import ApiHandlers
 from .device import WidthProfile, progress_of
 from .headline import turn_status
-from .outputs import (
-    TURN_OUTPUTS,
-    box_command,
-    cleared_outputs,
-    error_outputs,
-    notice_html,
-    outputs_of,
-    refused_outputs,
-    turn_outputs,
-)
+from .outputs import (TURN_OUTPUTS, box_command, cleared_outputs, error_outputs, notice_html, outputs_of,
+                      refused_outputs, turn_outputs)
 from .passes import SHARED, PassScheduler
 from .prefixes import PrefixStore
 from .quality import answer_point
@@ -52,8 +44,6 @@ log = logging.getLogger(__name__)
 FIGURE_EVERY_S = float(os.environ.get("MTP_APP_FIGURE_EVERY_S", "0.6"))
 #: Seconds between updates of the panes and counters while answers stream.
 PANE_EVERY_S = float(os.environ.get("MTP_APP_PANE_EVERY_S", "0.12"))
-
-
 #: Seconds a message waits for one the page sent before it that has not reached the server, before it starts anyway.
 ORDER_GRACE_S = 2.0
 
@@ -213,7 +203,8 @@ class Page(ApiHandlers):
                                   "in the box. Send it when one of them has started, or press Stop.")
             return
         with ticket:
-            if not ticket.started.is_set():
+            waited = not ticket.started.is_set()
+            if waited:
                 running, ahead = self.sessions.current(session), self.sessions.waiting(session) - 1
                 n = f" (turn {running.turn_number})" if running is not None and running.turn_number else ""
                 after = f", then for the {ahead} message sent before it" if ahead == 1 else ""
@@ -231,11 +222,19 @@ class Page(ApiHandlers):
             ticket.turn_number = sum(1 for m in conversation if m["role"] == "user") + 1
             request = request.with_(history=conversation, run_id=ticket.run_id, model_key=self.key_of(request.key),
                                     session=session)
-            yield from self._run_ticket(request, ticket, session)
+            yield from self._run_ticket(request, ticket, session, taken=waited,
+                                        earlier=session is not None and ticket.turn_number > 1)
 
-    def _run_ticket(self, request: TurnRequest, ticket: Any, session: str | None) -> Iterator[tuple]:
-        """The turn's updates; the conversation is recorded on the ticket as it goes (kept when the run ends)."""
+    def _run_ticket(self, request: TurnRequest, ticket: Any, session: str | None, earlier: bool = False,
+                    taken: bool = False) -> Iterator[tuple]:
+        """The turn's updates; the conversation is recorded on the ticket as it goes (kept when the run ends). A
+        turn refused at its start (a prompt over the limit) leaves the status line to an earlier turn's outcome
+        (``earlier``) and says why in the notice, and puts its message back into the box if it was ``taken`` from
+        it (it waited)."""
         for out, final, after, extra in self.generate(request):
+            if after is None and final:
+                out = error_outputs(out[TURN_OUTPUTS.index("result")]["status"], in_notice=earlier)
+                out = (str(request.message),) + out[1:] if taken else out
             if after is not None:
                 ticket.record(after)
             if final:

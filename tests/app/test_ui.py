@@ -469,6 +469,60 @@ def test_after_a_turn_a_stray_send_leaves_its_status_and_a_double_click_sends_on
     assert "Turn 2: done" in nxt[-1]["status"]  # the numbers the script skipped for the repeat leave no gap
 
 
+def test_a_prompt_over_the_limit_after_a_turn_is_refused_in_the_notice(tiny_registry, monkeypatch):
+    """The prompt's length in tokens is checked when its turn starts. Refused then, after a turn of the session, it
+    leaves the status line to that turn (as the refusals checked before a message queues do) and says why in the
+    notice; the message stays in the box and takes no turn. On a page with no turn yet the status line says it."""
+    import gradio as gr
+
+    from app import build_app
+    from app import turn as turn_module
+
+    demo = build_app(tiny_registry, preload=False)
+    chat = _chat_of(demo)
+    args = ("ConfAdapt", 0.9, 4, 3, 4, "linear", ("tiny", "none", "auto"))
+    long = "Tell me everything about the history of the bicycle, " * 4
+    monkeypatch.setattr(turn_module, "MAX_PROMPT_TOKENS", 40)
+    first = [dict(zip(ui.TURN_OUTPUTS, o)) for o in chat(long, [], *args, seq="1", request=_request("p"))]
+    assert "tokens long; this demo prefills at most 40 tokens" in first[-1]["status"]  # no turn yet: the status
+    done = [dict(zip(ui.TURN_OUTPUTS, o)) for o in chat("hi", [], *args, seq="2", request=_request("p"))]
+    assert "Turn 1: done" in done[-1]["status"]
+    refused = [dict(zip(ui.TURN_OUTPUTS, o)) for o in chat(long, [], *args, seq="3", request=_request("p"))]
+    assert refused[-1]["status"] == gr.skip() and "This conversation is" in refused[-1]["notice"]
+    assert "this demo prefills at most 40 tokens" in refused[-1]["notice"]
+    assert all(json_of(o["message"]).get("restore", long) == long for o in refused if o["message"] != gr.skip())
+    # sent while turn 2 answers, it waits (the box is emptied), then is refused: it goes back into the box
+    monkeypatch.setattr(turn_module, "MAX_PROMPT_TOKENS", 2048)
+    running = chat("Tell me a long story.", [], *args[:4], 200, *args[5:], seq="4", request=_request("p"))
+    next(running)
+    monkeypatch.setattr(turn_module, "MAX_PROMPT_TOKENS", 40)  # checked when a turn starts
+    waited: list = []
+    t = threading.Thread(target=lambda: waited.extend(dict(zip(ui.TURN_OUTPUTS, o)) for o in chat(
+        long, [], *args, seq="5", request=_request("p"))))
+    t.start()
+    while not waited:
+        time.sleep(0.01)
+    assert json_of(waited[0]["message"]).get("clear") == long and "waits for the answer" in waited[0]["notice"]
+    for _ in running:
+        pass
+    t.join()
+    assert json_of(waited[-1]["message"]).get("restore") == long and waited[-1]["status"] == gr.skip()
+    assert "this demo prefills at most 40 tokens" in waited[-1]["notice"]
+    # an API call has no status line of earlier turns: its status says it, whatever history it sends
+    api = dict(zip(ui.TURN_OUTPUTS, demo.mtp_page.chat_api(long, [["hi", "hello"]], *args[:6], model_key=args[6])))
+    assert "This conversation is" in api["status"] and api["result"]["phase"] == "error"
+    monkeypatch.setattr(turn_module, "MAX_PROMPT_TOKENS", 2048)
+    after = [dict(zip(ui.TURN_OUTPUTS, o)) for o in chat("and then?", [], *args, seq="6", request=_request("p"))]
+    assert "Turn 3: done" in after[-1]["status"]  # the refused messages took no turn
+
+
+def json_of(command) -> dict:
+    """A message-box command (:func:`app.outputs.box_command`) as a dict."""
+    import json
+
+    return json.loads(command) if isinstance(command, str) and command.startswith("{") else {}
+
+
 def test_a_turn_that_ends_without_its_last_update_keeps_its_message(tiny_registry):
     """A run whose handler is closed mid-turn (the page went away, an error while drawing) still records its message
     and partial answers before the next turn may start: that turn continues the conversation with it."""
