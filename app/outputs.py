@@ -36,7 +36,8 @@ def figure_caption(strategy_choice: str) -> str:
                 f"confidence · {sw(figures.KEPT)} kept · {sw(figures.CUT)} accepted, then cut by a stop token or the token "
                 f"limit · {sw(figures.REJECTED)} dropped"
                 + (" · dashed line: tau" if strategy_choice == "ConfAdapt" else ""))
-    return f'<p class="mtp-fig-caption">Forward passes of the MTP side, one frame each (▶ Play). {body}</p>'
+    return (f'<p class="mtp-fig-caption">Forward passes of the MTP side, one frame each (▶ Play when the answer has '
+            f'ended). {body}</p>')
 
 
 def figure_html(state: TurnState | None, strategy_choice: str = "ConfAdapt") -> str:
