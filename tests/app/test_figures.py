@@ -96,7 +96,7 @@ def test_a_frame_draws_its_pass_over_every_passs_bar_and_frames_grow_linearly():
         for i in range(n):
             kept = 1 + i % 3
             out.append(PassRecord(index=i, fed_real=1, fed_masks=3, proposals=[5, 6, 7, 8],
-                                  proposal_texts=["a", "b", "c", "d"], confidences=[0.9, 0.95, 0.92, 0.4][:4],
+                                  proposal_texts=["a", "b", "c", "d"], confidences=[0.9, 0.95, 0.92, 0.4],
                                   kept=[5, 6, 7][:kept], text="abc"[:kept], accepted=kept, seconds=0.01))
         return out
 
