@@ -56,10 +56,13 @@ def seq_js(n_inputs: int) -> str:
     hidden last of its ``n_inputs`` inputs, so that the server answers messages in the order they were sent even
     when their events arrive the other way round. The same text sent again within :data:`REPEAT_MS` (a double
     click on Send, a key bounce) gets no number: its number box holds :data:`REPEAT`, which the server ignores.
+    Both times are when the key or button was pressed, a stale entry's too (its text is not used): a page busy
+    for seconds, as while it loads, can run the second click's script seconds after the first's, and a double
+    click timed by when the scripts ran was answered twice.
     (Gradio hands the script the inputs' values, then the outputs'; what it returns replaces the inputs.)"""
     return (f"(...args) => {{ const inputs = args.slice(0, {n_inputs}); const sent = window.mtpSent || []; "
-            "while (sent.length && performance.now() - sent[0].at > 2000) sent.shift(); "
-            "const at = sent.length ? sent[0].at : performance.now(); "
+            "let stale = null; while (sent.length && performance.now() - sent[0].at > 2000) stale = sent.shift(); "
+            "const at = sent.length ? sent[0].at : (stale ? stale.at : performance.now()); "
             "if (sent.length) inputs[0] = sent.shift().text; "
             "const last = window.mtpLastSent; "
             f"if (last && inputs[0] && inputs[0].trim() && inputs[0] === last.text && at - last.at < {REPEAT_MS}) "

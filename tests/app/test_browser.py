@@ -592,7 +592,8 @@ def test_notices_never_cover_the_controls(browser, served, size):
         pg.press("#message textarea", "Enter")
         pg.locator("#notice .mtp-notice").wait_for(state="visible", timeout=30_000)
         assert pg.locator(".toast-body").count() == 0 and stop_is_on_top(pg)
-        pg.click("#stop", timeout=5_000)  # clickable as it is, nothing over it
+        pg.click("#stop", timeout=30_000)  # clickable as it is, nothing over it (a covered button never is; a
+        # page busy drawing a streamed answer on a loaded machine took over 5 s to take the click)
         # the turn stops and the waiting message starts at once: "stopped" may be replaced in the same frame
         wait_status(pg, ("stopped", "Turn 2"))
         assert pg.locator(".toast-body").count() == 0
