@@ -500,7 +500,7 @@ def test_a_prompt_over_the_limit_after_a_turn_is_refused_in_the_notice(tiny_regi
     t = threading.Thread(target=lambda: waited.extend(dict(zip(ui.TURN_OUTPUTS, o)) for o in chat(
         long, [], *args, seq="5", request=_request("p"))))
     t.start()
-    while not waited:
+    while not waited and t.is_alive():
         time.sleep(0.01)
     assert json_of(waited[0]["message"]).get("clear") == long and "waits for the answer" in waited[0]["notice"]
     for _ in running:
