@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -133,21 +133,21 @@ def estimate_speedup(std: Sequence[PassRecord], mtp: Sequence[PassRecord], *, re
     ratio = _ratio(t_std, t_mtp)
     low = high = None
     if len(pairs) >= MIN_PAIRS_FOR_INTERVAL:  # the same method on resampled pairs (only the medians change)
-        boot = _resampled_ratios(pairs, [r.seconds for r in std[1:]], resamples, seed,
-                                 lambda d_std, d_mtp: (n_mtp / (t_mtp.prefill + (len(mtp) - 1) * d_mtp))
-                                 / (n_std / (t_std.prefill + (len(std) - 1) * d_std)))
+        d_std, d_mtp = _resampled_passes(pairs, [r.seconds for r in std[1:]], resamples, seed)
+        boot = sorted(((n_mtp / (t_mtp.prefill + (len(mtp) - 1) * d_mtp))
+                       / (n_std / (t_std.prefill + (len(std) - 1) * d_std))).tolist())
         low, high = boot[int(0.05 * (resamples - 1))], boot[int(round(0.95 * (resamples - 1)))]
     return SpeedEstimate(ratio=ratio, low=low, high=high, pairs=len(pairs), pass_cost=cost,
                          raw_ratio=(n_mtp / raw_mtp) / (n_std / raw_std), same_length=n_std == n_mtp,
                          standard=t_std, mtp=t_mtp)
 
 
-def _resampled_ratios(pairs: Sequence[tuple[float, float]], own: Sequence[float], resamples: int, seed: int,
-                      ratio_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> list[float]:
-    """The bootstrap of :func:`estimate_speedup`, sorted: ``resamples`` times, the standard side's typical pass
-    ``d_std`` = the median of ``len(own)`` of its decode passes ``own`` drawn with replacement, the MTP side's
-    ``d_mtp`` = ``d_std`` times the median MTP/standard ratio of ``len(pairs)`` pairs drawn with replacement, and
-    ``ratio_of(d_std, d_mtp)``. All resamples at once, as ``[resamples, n]`` tensors: a turn re-estimates its
+def _resampled_passes(pairs: Sequence[tuple[float, float]], own: Sequence[float], resamples: int, seed: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bootstrap of :func:`estimate_speedup`: ``(d_std, d_mtp)``, each ``[resamples]`` seconds. The standard
+    side's typical pass ``d_std`` is the median of ``len(own)`` of its decode passes ``own`` drawn with
+    replacement; the MTP side's ``d_mtp`` is ``d_std`` times the median MTP/standard ratio of ``len(pairs)`` pairs
+    drawn with replacement. All resamples at once, as ``[resamples, n]`` tensors: a turn re-estimates its
     speed at every update of the page, and one resample at a time in Python took most of a long answer's
     rendering time, in which no forward pass runs (120 pairs: 60 ms an update on a 2-core Zen 3 VM, 4 ms now). The
     same ``seed`` gives the same values."""
@@ -161,7 +161,7 @@ def _resampled_ratios(pairs: Sequence[tuple[float, float]], own: Sequence[float]
 
     d_std = medians(torch.tensor(list(own), dtype=torch.float64))
     cost = medians(torch.tensor([m / s for s, m in pairs], dtype=torch.float64))
-    return sorted(ratio_of(d_std, d_std * cost).tolist())
+    return d_std, d_std * cost
 
 
 def width_pairs(std: Sequence[PassRecord], mtp: Sequence[PassRecord]) -> list[tuple[int, float]]:
