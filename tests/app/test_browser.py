@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from app.scripts import REPEAT_MS
 from model.engine.decoding import generate
 from model.engine.precision import native_bf16
 from model.engine.strategies import confadapt, standard
@@ -395,6 +396,9 @@ def test_typed_values_are_refused_not_clamped(page):
     for elem, value, expected in (("k-max", 33, "k_max must be from 1 to 32, got 33"),
                                   ("max-new-tokens", 100000, "got 100000")):
         set_number(page, elem, value)
+        # a person fixing the refused setting takes longer than a double click: the same text sent again within
+        # REPEAT_MS is one message (a refusal comes back in ~0.1 s, so the test waits as the person would)
+        time.sleep(REPEAT_MS / 1000 + 0.1)
         send(page, "hi")
         status = wait_status(page, expected)
         assert "Error" in status
