@@ -6,9 +6,10 @@
   kept) marked apart, the kept ones green, the tau line; for lossless verification: the drafts the
   pass checked (accepted green, the rejected one red), the model's own token (its correction or
   its next token) and the new drafts its masks proposed for the next pass.
-* :func:`animated_html` — that figure as a self-contained Plotly page inside an
-  ``<iframe srcdoc=...>`` (``gr.Plot`` drops Plotly frames, DESIGN.md section 5). plotly.js is
-  not inlined: the page loads it once from :data:`PLOTLY_JS` served as a static file.
+* :func:`figure_json` — that figure (frames kept) as the JSON text the page's pass-figure component draws
+  (:data:`PASSES_JS`): one Plotly graph in the page, loaded once and updated with ``Plotly.react`` (``gr.Plot``
+  drops Plotly frames; an ``<iframe>`` per update made the browser parse plotly.js again every time).
+  plotly.js is not inlined: the page loads it once from :data:`PLOTLY_JS`, served as a static file.
 * :func:`race_figure` — tokens generated vs seconds for both sides (the race).
 
 The trade-off figure is :mod:`app.tradeoff`.
@@ -19,6 +20,7 @@ Token texts on the axes are the engine's own (``PassRecord.proposal_texts``); no
 from __future__ import annotations
 
 import html
+import json
 from pathlib import Path
 from typing import Sequence
 
@@ -262,20 +264,56 @@ def _animation_controls(n: int) -> tuple[list[dict], list[dict]]:
     return buttons, slider
 
 
-def animated_html(fig: go.Figure | dict, *, height: int = 620, plotly_js_url: str = PLOTLY_JS_URL) -> str:
-    """An ``<iframe srcdoc=...>`` holding ``fig`` as a self-contained Plotly page (frames kept).
+def figure_json(fig: go.Figure | dict, caption: str = "") -> str:
+    """``fig`` (frames kept) and the HTML ``caption`` above it as the value of the pass-figure component.
 
-    The page loads plotly.js from ``plotly_js_url`` (served once by the app, cached by the
-    browser) instead of inlining its ~4.5 MB. The iframe carries ``data-frames`` (the number of
-    frames) for tests and scripts.
+    Returns:
+        JSON text ``{"caption": str, "frames": int, "figure": {"data", "layout", "frames"}}``, which
+        :data:`PASSES_JS` draws in the page (and what an API client gets as the ``figure`` output).
     """
+    body = pio.to_json(fig, validate=False)
     frames = fig.get("frames") if isinstance(fig, dict) else fig.frames
-    page = pio.to_html(fig, include_plotlyjs=plotly_js_url, full_html=True, div_id="passes-figure", validate=False,
-                       config={"displaylogo": False, "responsive": True, "displayModeBar": False},
-                       auto_play=False, default_width="100%", default_height=f"{height - 10}px")
-    page = page.replace("<head>", "<head><style>html,body{margin:0;padding:0}</style>", 1)
-    return (f'<iframe class="mtp-passes" data-frames="{len(frames or ())}" title="forward passes" '
-            f'style="width:100%;height:{height}px;border:0" srcdoc="{html.escape(page, quote=True)}"></iframe>')
+    return f'{{"caption": {json.dumps(caption)}, "frames": {len(frames or ())}, "figure": {body}}}'
+
+
+#: The pass-figure component's template: a slot for the caption and the graph's element, the same for every value
+#: (Gradio re-renders a template whose text changed, which would wipe the graph Plotly drew in it).
+PASSES_TEMPLATE = '<div class="mtp-fig-caption-slot"></div><div class="mtp-passes-plot" data-frames="0"></div>'
+#: The pass-figure component's script (Gradio's ``js_on_load``): draws each new value (:func:`figure_json`) into
+#: the same graph with ``Plotly.react``, in order, frames included (an animation still playing is stopped first);
+#: ``data-frames`` holds the number of frames drawn.
+PASSES_JS = """
+const slot = element.querySelector('.mtp-fig-caption-slot');
+const gd = element.querySelector('.mtp-passes-plot');
+const config = {displaylogo: false, responsive: true, displayModeBar: false};
+let shown = null, queue = Promise.resolve(), interruptedAt = -1e9;
+// Plotly's Play button leaves its animation's promise unhandled: Pause (or a slider step) rejects it with nothing
+window.addEventListener('unhandledrejection', (e) => {
+  if (e.reason === undefined && performance.now() - interruptedAt < 2000) e.preventDefault();
+});
+const marked = () => {
+  gd.removeAllListeners('plotly_animationinterrupted');
+  gd.on('plotly_animationinterrupted', () => { interruptedAt = performance.now(); });
+};
+const draw = () => {
+  const text = props.value;
+  if (!text || text === shown) return;
+  shown = text;
+  let v;
+  try { v = JSON.parse(text); } catch (e) { console.error('pass figure: not JSON', e); return; }
+  slot.innerHTML = v.caption || '';
+  const fig = Object.assign({}, v.figure, {config: config});
+  // a new figure while Play runs: purge stops the animation (its frames would land on the new figure's traces)
+  const playing = () => !!(gd._transitionData && gd._transitionData._animationRaf);
+  queue = queue.then(() => { if (playing()) window.Plotly.purge(gd); return window.Plotly.react(gd, fig); })
+    .then(() => { marked(); gd.dataset.frames = String(v.frames); })
+    .catch(e => console.error('pass figure:', e));
+};
+watch('value', draw);
+draw();
+"""
+#: What the page's head needs for :data:`PASSES_JS`: plotly.js, loaded once (Gradio loads a ``head`` script once).
+PASSES_HEAD = f'<script src="{PLOTLY_JS_URL}"></script>'
 
 
 def race_figure(panes: Sequence[tuple[str, Sequence[PassRecord]]]) -> go.Figure:

@@ -40,13 +40,14 @@ def figure_caption(strategy_choice: str) -> str:
             f'ended). {body}</p>')
 
 
-def figure_html(state: TurnState | None, strategy_choice: str = "ConfAdapt") -> str:
-    """Caption + the figure of the MTP side's passes: animated once the turn has ended (while it streams, the last
-    pass only: re-sent at every figure update, each frame would cost the page's browser its drawing again)."""
+def figure_value(state: TurnState | None, strategy_choice: str = "ConfAdapt") -> str:
+    """The pass-figure component's value (:func:`app.figures.figure_json`): the caption and the figure of the MTP
+    side's passes, animated once the turn has ended (while it streams, the last pass only: re-sent at every figure
+    update, each frame would cost the page's browser its drawing again)."""
     records = state.mtp.passes if state is not None else []
     strategy = state.strategy if state is not None else None
     animate = state is None or state.final
-    return figure_caption(strategy_choice) + figures.animated_html(figures.passes_figure(records, strategy, animate))
+    return figures.figure_json(figures.passes_figure(records, strategy, animate), figure_caption(strategy_choice))
 
 
 def mtp_title(label: str | None) -> str:
@@ -71,7 +72,7 @@ def idle_outputs(history: list[dict], status: str = "", *, kind: str = "info", n
         chat_mtp=render.pane_html(history, None, None, side="mtp", title=mtp_title(None)),
         stats_std=render.counters_html(None, side="standard", label="standard", state="waiting"),
         stats_mtp=render.counters_html(None, side="mtp", label="MTP", state="waiting"),
-        speed="", coloured=render.figure1_html([]), figure=figure_html(None, strategy_choice),
+        speed="", coloured=render.figure1_html([]), figure=figure_value(None, strategy_choice),
         race=figures.race_figure([]), table=pass_table.pass_table_html(None),
         status=render.status_html(status, kind=kind) if status else "", notice=notice,
         result=headline.summary(None, status=status, kind=kind),
@@ -118,7 +119,7 @@ def turn_outputs(state: TurnState, *, figures_due: bool, first: bool = False, st
                                        timing=sp.mtp if sp else None, verifies=state.strategy.lossless),
         speed=headline.speed_html(state),  # with the counters, in the same update: the headline never lags them
         coloured=render.figure1_html(state.mtp.passes, state.strategy) if draw else gr.skip(),
-        figure=figure_html(state, choice_of(state.strategy)) if draw else gr.skip(),
+        figure=figure_value(state, choice_of(state.strategy)) if draw else gr.skip(),
         race=figures.race_figure([("standard", state.standard.passes), (label, state.mtp.passes)])
         if draw else gr.skip(),
         table=pass_table.pass_table_html(state) if final else gr.skip(),

@@ -28,7 +28,7 @@ from model.engine.strategies import DEFAULT_STATIC_K, DEFAULT_TAU
 
 from . import figures, headline, pass_table, render, tradeoff
 from .device import SHAPE_CHOICES, SWEEP_MAX_NEW_TOKENS, SWEEP_TAUS
-from .outputs import STD_TITLE, TURN_OUTPUTS, figure_html, mtp_title
+from .outputs import STD_TITLE, TURN_OUTPUTS, figure_value, mtp_title
 from .page import Page
 from .registry import ModelRegistry
 from .requests import (
@@ -172,7 +172,8 @@ def _answers(c: SimpleNamespace) -> None:
                          label="MTP answer, one colour per forward pass")
     with gr.Row(equal_height=False):
         with gr.Column(scale=3, min_width=300):
-            c.figure = gr.HTML(figure_html(None), elem_id="passes-figure", js_on_load=None)
+            c.figure = gr.HTML(figure_value(None), elem_id="passes-figure", html_template=figures.PASSES_TEMPLATE,
+                               js_on_load=figures.PASSES_JS, head=figures.PASSES_HEAD)
         with gr.Column(scale=2, min_width=300):
             c.race = gr.Plot(figures.race_figure([]), show_label=False, elem_id="race")
 

@@ -35,9 +35,9 @@ TIMEOUT_MS = 180_000
 FIB = "Write a Python function that returns the n-th Fibonacci number iteratively."
 
 JS_FRAMES = """() => {
-  const f = document.querySelector('#passes-figure iframe');
-  const gd = f && f.contentDocument && f.contentDocument.querySelector('.plotly-graph-div');
-  return gd && gd._transitionData ? gd._transitionData._frames.length : -1;
+  const gd = document.querySelector('#passes-figure .mtp-passes-plot');
+  return gd && gd._transitionData && gd.dataset.frames === String(gd._transitionData._frames.length)
+    ? gd._transitionData._frames.length : -1;
 }"""
 JS_TEXTS = """(sel) => Array.from(document.querySelectorAll(sel)).map(e => e.textContent)"""
 
@@ -373,11 +373,10 @@ def test_lossless_answer_and_the_page_at_390_px(page, served, capsys):
         return (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05); })""")
     assert contrast and min(contrast) >= 4.5
     # Plotly: the title fits, Play / Pause do not cover the slider's label
-    fig = page.frame_locator("#passes-figure iframe")
-    width = page.locator("#passes-figure iframe").bounding_box()["width"]
+    fig = page.locator("#passes-figure .mtp-passes-plot")
     box = fig.locator(".gtitle").bounding_box(timeout=10_000)
-    frame_box = page.locator("#passes-figure iframe").bounding_box()
-    assert box["x"] >= frame_box["x"] - 1 and box["x"] + box["width"] <= frame_box["x"] + width + 1
+    frame_box = fig.bounding_box()
+    assert box["x"] >= frame_box["x"] - 1 and box["x"] + box["width"] <= frame_box["x"] + frame_box["width"] + 1
     buttons = [fig.locator(".updatemenu-button").nth(i).bounding_box(timeout=10_000) for i in range(2)]
     label = fig.locator(".slider-group > text.slider-label").first.bounding_box(timeout=10_000)
 
@@ -610,12 +609,11 @@ MODES = (("ConfAdapt", "What is 12 times 7? Think step by step."),
          ("static k", "Name three colours of the rainbow."),
          ("lossless", FIB))
 JS_TICKS = """() => {
-  const f = document.querySelector('#passes-figure iframe');
-  const d = f.contentDocument, w = f.contentWindow.innerWidth;
+  const d = document.querySelector('#passes-figure .mtp-passes-plot'), g = d.getBoundingClientRect();
   const buttons = Array.from(d.querySelectorAll('.updatemenu-button')).map(b => b.getBoundingClientRect());
   return Array.from(d.querySelectorAll('.xaxislayer-above .xtick text')).map(t => {
     const r = t.getBoundingClientRect();
-    return {text: t.textContent, left: r.left, right: r.right, bottom: r.bottom, width: w,
+    return {text: t.textContent, left: r.left - g.left, right: r.right - g.left, bottom: r.bottom, width: g.width,
             under: buttons.some(b => !(r.right <= b.left || b.right <= r.left || r.bottom <= b.top || b.bottom <= r.top))};
   });
 }"""

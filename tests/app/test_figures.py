@@ -118,6 +118,27 @@ def test_a_frame_draws_its_pass_over_every_passs_bar_and_frames_grow_linearly():
     assert not still["layout"].get("sliders") and not still["layout"].get("updatemenus")
 
 
+def test_the_pass_figure_reaches_the_page_as_json_into_one_graph():
+    """The pass figure's component value is JSON text holding the caption, the frame count and Plotly's figure,
+    frames included; its template never changes with the value (Gradio re-renders a template whose text changed,
+    which would wipe the graph Plotly drew in it), and its script draws with ``Plotly.react``."""
+    import json
+
+    from model.engine.decoding import PassRecord
+    from model.engine.strategies import confadapt
+
+    recs = [PassRecord(index=i, fed_real=1, fed_masks=1, proposals=[5, 6], proposal_texts=["a", "b"],
+                       confidences=[0.5, 0.95], kept=[5, 6], text="ab", accepted=2, seconds=0.01) for i in range(3)]
+    fig = figures.passes_figure(recs, confadapt(0.9, 2))
+    value = json.loads(figures.figure_json(fig, '<p class="mtp-fig-caption">a & b</p>'))
+    assert value["caption"] == '<p class="mtp-fig-caption">a & b</p>' and value["frames"] == 3
+    assert [f["name"] for f in value["figure"]["frames"]] == ["0", "1", "2"]
+    assert value["figure"]["data"][0]["y"] == [2, 2, 2] and value["figure"]["layout"]["sliders"]
+    assert "${" not in figures.PASSES_TEMPLATE and "{{" not in figures.PASSES_TEMPLATE
+    assert "Plotly.react" in figures.PASSES_JS and figures.PLOTLY_JS_URL in figures.PASSES_HEAD
+    assert figures.PLOTLY_JS.is_file()
+
+
 def test_empty_figures_have_no_axis_below_zero():
     """Before the first pass the figures draw the axes a pass will have: nothing below zero."""
     from model.engine.strategies import confadapt
