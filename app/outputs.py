@@ -129,16 +129,25 @@ def turn_outputs(state: TurnState, *, figures_due: bool, first: bool = False, st
     )
 
 
-def notice_html(text: str) -> str:
-    """An in-page notice under the message box (never a toast over the controls); ``data-at`` (the time)
-    makes a repeated notice a new one. Its mark, U+25F4, is in DejaVu (an hourglass, U+23F3, is not: an empty box
-    in a Chromium that has only DejaVu's fonts)."""
-    return f'<div class="mtp-notice" role="status" data-at="{time.time():.3f}">◴ {render.esc(text)}</div>'
+#: A notice's mark by its kind: something under way (a message waiting, a stop on its way), a request refused,
+#: plain information. All three are in DejaVu Sans (an hourglass, U+23F3, is not: an empty box in a Chromium that has
+#: only DejaVu's fonts).
+NOTICE_MARKS = {"wait": "◴", "refused": "⚠", "info": "ℹ"}
+
+
+def notice_html(text: str, kind: str = "wait") -> str:
+    """An in-page notice under the message box (never a toast over the controls), marked by ``kind`` (a key of
+    :data:`NOTICE_MARKS`, also its ``data-kind``); ``data-at`` (the time) makes a repeated notice a new one.
+
+    Raises:
+        KeyError: an unknown ``kind``."""
+    return (f'<div class="mtp-notice" role="status" data-kind="{kind}" data-at="{time.time():.3f}">'
+            f'{NOTICE_MARKS[kind]} {render.esc(text)}</div>')
 
 
 def refused_outputs(text: str) -> tuple:
     """Only the notice changes (the message stays in the box)."""
-    return outputs_of(notice=notice_html(text), result={"phase": "refused", "status": text})
+    return outputs_of(notice=notice_html(text, "refused"), result={"phase": "refused", "status": text})
 
 
 def error_outputs(text: str, *, in_notice: bool = False) -> tuple:
@@ -146,7 +155,7 @@ def error_outputs(text: str, *, in_notice: bool = False) -> tuple:
     (a turn of the session is answering and the status line is its) the notice under the message box; the
     message stays in the box."""
     if in_notice:
-        return outputs_of(notice=notice_html(text), result={"phase": "error", "status": text})
+        return outputs_of(notice=notice_html(text, "refused"), result={"phase": "error", "status": text})
     return outputs_of(status=render.status_html(text, kind="error"), notice="",
                       result={"phase": "error", "status": text})
 

@@ -299,7 +299,7 @@ class Page(ApiHandlers):
         as its message was sent after the click (:meth:`app.sessions.SessionRuns.request_stop`)."""
         if self.sessions.request_stop(session_of(request), "stopped", upto=message_number(seq)):
             return notice_html("Stopping: the answer ends after the pass in progress.")
-        return notice_html("Nothing is running.")
+        return notice_html("Nothing is running.", "info")
 
     def clear(self, strategy_choice, request: gr.Request = None):
         """Clear: the running answer ends and the conversation starts anew (all outputs but the message box)."""

@@ -490,6 +490,7 @@ def test_a_prompt_over_the_limit_after_a_turn_is_refused_in_the_notice(tiny_regi
     refused = [dict(zip(ui.TURN_OUTPUTS, o)) for o in chat(long, [], *args, seq="3", request=_request("p"))]
     assert refused[-1]["status"] == gr.skip() and "This conversation is" in refused[-1]["notice"]
     assert "this demo prefills at most 40 tokens" in refused[-1]["notice"]
+    assert 'data-kind="refused"' in refused[-1]["notice"] and ">⚠ " in refused[-1]["notice"]  # not "waiting"
     assert all(json_of(o["message"]).get("restore", long) == long for o in refused if o["message"] != gr.skip())
     # sent while turn 2 answers, it waits (the box is emptied), then is refused: it goes back into the box
     monkeypatch.setattr(turn_module, "MAX_PROMPT_TOKENS", 2048)
@@ -503,11 +504,12 @@ def test_a_prompt_over_the_limit_after_a_turn_is_refused_in_the_notice(tiny_regi
     while not waited and t.is_alive():
         time.sleep(0.01)
     assert json_of(waited[0]["message"]).get("clear") == long and "waits for the answer" in waited[0]["notice"]
+    assert 'data-kind="wait"' in waited[0]["notice"] and ">◴ " in waited[0]["notice"]
     for _ in running:
         pass
     t.join()
     assert json_of(waited[-1]["message"]).get("restore") == long and waited[-1]["status"] == gr.skip()
-    assert "this demo prefills at most 40 tokens" in waited[-1]["notice"]
+    assert "this demo prefills at most 40 tokens" in waited[-1]["notice"] and 'data-kind="refused"' in waited[-1]["notice"]
     # an API call has no status line of earlier turns: its status says it, whatever history it sends
     api = dict(zip(ui.TURN_OUTPUTS, demo.mtp_page.chat_api(long, [["hi", "hello"]], *args[:6], model_key=args[6])))
     assert "This conversation is" in api["status"] and api["result"]["phase"] == "error"
