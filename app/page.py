@@ -237,8 +237,8 @@ class Page(ApiHandlers):
                 out = (str(request.message),) + out[1:] if taken else out
             if after is not None:
                 ticket.record(after)
-            if final:
-                self._keep_extra(request.key, session, extra)
+            if final:  # a run that ends as Clear is pressed adds no point: its answer is gone
+                self._keep_extra(request.key, session, extra, point=ticket.stop_reason() != "cleared")
                 out = list(out)
                 # where the controls are now: the slider may have moved while the turn answered
                 choice, tau, k_max = self.sessions.controls(session, (request.strategy, request.tau, request.k_max))
@@ -259,11 +259,11 @@ class Page(ApiHandlers):
         a message refused then is explained in the notice, and that status stays."""
         return self.sessions.current(session) is not None or bool(self.sessions.conversation(session, []))
 
-    def _keep_extra(self, key: tuple, session: str | None, extra: dict) -> None:
+    def _keep_extra(self, key: tuple, session: str | None, extra: dict, point: bool = True) -> None:
         if extra.get("profile") and self.facts.profile(key) is None:
             self.facts.put_profile(key, WidthProfile.from_dict(extra["profile"]))
         self.facts.observe(key, extra.get("width_pairs") or [])  # the device's width cost, as the page runs it
-        if extra.get("point"):
+        if point and extra.get("point"):
             self.sessions.add_point(session, extra["point"])
 
     def chat(self, message, history, strategy, tau, k_max, k, max_new_tokens, shape, model_key, temperature=0.0,
@@ -301,31 +301,32 @@ class Page(ApiHandlers):
             return notice_html("Stopping: the answer ends after the pass in progress.")
         return notice_html("Nothing is running.", "info")
 
-    def clear(self, strategy_choice, request: gr.Request = None):
-        """Clear: the running answer ends and the conversation starts anew (all outputs but the message box)."""
+    def clear(self, strategy_choice, key=None, tau_value=None, k_max_value=None, request: gr.Request = None):
+        """Clear: the running answer ends; the conversation and its points in the trade-off figure are gone."""
         session = session_of(request)
         self.sessions.request_stop(session, "cleared")
         self.sessions.remember(session, [])
+        self.sessions.drop_points(session)
         self.prefixes.drop(session)
-        return cleared_outputs(strategy_choice)[1:]
+        out = dict(zip(TURN_OUTPUTS, cleared_outputs(strategy_choice)))
+        out["tradeoff"] = self.tradeoff_fig(key, tau_value, k_max_value, strategy_choice, session)
+        return tuple(out.values())[1:]
 
     # ------------------------------------------------------------ controls
     def on_strategy(self, choice, key, k_max_value, shape_choice, tau_value, request: gr.Request = None):
         """The strategy changed: which controls show, the help line and the trade-off figure."""
-        self.sessions.set_controls(session_of(request), choice, tau_value, k_max_value)
         return (gr.update(visible=choice == "ConfAdapt"), gr.update(visible=choice in ("ConfAdapt", "lossless")),
                 gr.update(visible=choice == "static k"), gr.update(visible=choice == "lossless"),
                 self.help_html(choice, key, k_max_value, shape_choice),
-                self.tradeoff_fig(key, tau_value, k_max_value, choice, session_of(request)))
+                self.on_tau(choice, key, k_max_value, tau_value, request))
 
     def on_controls(self, choice, key, k_max_value, shape_choice, tau_value, request: gr.Request = None):
         """k_max or the shape changed: the help line and the trade-off figure (cheap: no model call)."""
-        self.sessions.set_controls(session_of(request), choice, tau_value, k_max_value)
-        return (self.help_html(choice, key, k_max_value, shape_choice),
-                self.tradeoff_fig(key, tau_value, k_max_value, choice, session_of(request)))
+        return self.help_html(choice, key, k_max_value, shape_choice), self.on_tau(choice, key, k_max_value, tau_value,
+                                                                                   request)
 
     def on_tau(self, choice, key, k_max_value, tau_value, request: gr.Request = None):
-        """The tau slider moved: only the trade-off figure's marker is redrawn."""
+        """The tau slider moved: only the trade-off figure's marker is redrawn (the session's controls noted)."""
         self.sessions.set_controls(session_of(request), choice, tau_value, k_max_value)
         return self.tradeoff_fig(key, tau_value, k_max_value, choice, session_of(request))
 

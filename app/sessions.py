@@ -278,6 +278,11 @@ class SessionRuns:
             while len(self._points) > MAX_SESSIONS_KEPT:
                 self._points.popitem(last=False)
 
+    def drop_points(self, session: str | None) -> None:
+        """Forget the session's answer points (Clear: its answers are gone, so are their points)."""
+        with self._lock:
+            self._points.pop(session, None)
+
     def points(self, session: str | None, model_key: Sequence[str] | None = None) -> list[AnswerPoint]:
         """The session's answer points, oldest first (those of ``model_key`` only, when given)."""
         with self._lock:

@@ -260,7 +260,7 @@ def _wire(page: Page, c: SimpleNamespace) -> None:
     c.api_summary.click(page.chat_summary, c.api_chat_inputs, c.api_summary_output, api_name="chat_summary",
                         concurrency_limit=CONCURRENCY, concurrency_id="generate", show_progress="hidden")
     c.stop.click(page.stop, c.seq, c.notice, js=STOP_JS, **quiet)
-    c.clear.click(page.clear, c.strategy, outputs[1:], **quiet)
+    c.clear.click(page.clear, [c.strategy, c.model_key, c.tau, c.k_max], outputs[1:], **quiet)
     controls = [c.strategy, c.model_key, c.k_max, c.shape, c.tau]
     c.strategy.change(page.on_strategy, controls, [c.tau_column, c.k_max, c.k, c.shape, c.strategy_help, c.tradeoff],
                       **quiet)

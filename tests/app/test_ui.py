@@ -373,6 +373,30 @@ def _request(session: str):
     return SimpleNamespace(session_hash=session)
 
 
+def test_clear_takes_the_conversations_points_off_the_trade_off_figure(tiny_registry):
+    """Clear empties the conversation and takes its answers' points off the trade-off figure, which it redraws at
+    the page's controls (tau marked where the slider is); later answers add points again."""
+    from app import build_app
+
+    demo = build_app(tiny_registry, preload=False)
+    page, chat, key = demo.mtp_page, _chat_of(demo), ["tiny", "none", "auto"]
+
+    def turn(seq: str) -> dict:
+        return [dict(zip(ui.TURN_OUTPUTS, o)) for o in chat("hi", [], "ConfAdapt", 0.9, 4, 3, 6, "linear", key,
+                                                             seq=seq, request=_request("c"))][-1]
+
+    def answers_drawn(fig) -> int:  # markers of the session's answers, one per answer in each of the two panels
+        return sum(len(t.x) for t in fig.data if (t.name or "").startswith("your answers"))
+
+    done = turn("1")
+    assert "Turn 1: done" in done["status"] and answers_drawn(done["tradeoff"]) == 2
+    assert len(demo.mtp_sessions.points("c")) == 1
+    cleared = dict(zip(ui.TURN_OUTPUTS[1:], page.clear("ConfAdapt", key, 0.5, 4, request=_request("c"))))
+    assert "Cleared" in cleared["status"] and demo.mtp_sessions.points("c") == []
+    assert answers_drawn(cleared["tradeoff"]) == 0
+    assert "Turn 1: done" in turn("2")["status"] and len(demo.mtp_sessions.points("c")) == 1
+
+
 def test_a_turn_starts_only_after_the_stopped_run_has_ended_and_recorded_its_answer(tiny_registry):
     """The handler's order, step by step (no timing): a message sent while the session's run is going says it waits
     (and takes the message out of the box only if the box still holds it); the run records its partial answer as
