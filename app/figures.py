@@ -343,5 +343,5 @@ def race_figure(panes: Sequence[tuple[str, Sequence[PassRecord]]]) -> go.Figure:
                       xaxis_title="measured s (sum of own passes)", yaxis_title="tokens",
                       xaxis_rangemode="nonnegative", yaxis_rangemode="nonnegative",
                       margin=dict(l=50, r=10, t=50, b=45), autosize=True,
-                      legend=dict(orientation="h", x=0.0, xanchor="left", y=-0.2, yanchor="top"))
+                      legend=dict(orientation="h", x=0.0, xanchor="left", y=-0.26, yanchor="top"))
     return fig

@@ -322,8 +322,8 @@ class Page(ApiHandlers):
 
     def on_controls(self, choice, key, k_max_value, shape_choice, tau_value, request: gr.Request = None):
         """k_max or the shape changed: the help line and the trade-off figure (cheap: no model call)."""
-        return self.help_html(choice, key, k_max_value, shape_choice), self.on_tau(choice, key, k_max_value, tau_value,
-                                                                                   request)
+        return (self.help_html(choice, key, k_max_value, shape_choice),
+                self.on_tau(choice, key, k_max_value, tau_value, request))
 
     def on_tau(self, choice, key, k_max_value, tau_value, request: gr.Request = None):
         """The tau slider moved: only the trade-off figure's marker is redrawn (the session's controls noted)."""
