@@ -533,7 +533,8 @@ def test_a_prompt_over_the_limit_after_a_turn_is_refused_in_the_notice(tiny_regi
         pass
     t.join()
     assert json_of(waited[-1]["message"]).get("restore") == long and waited[-1]["status"] == gr.skip()
-    assert "this demo prefills at most 40 tokens" in waited[-1]["notice"] and 'data-kind="refused"' in waited[-1]["notice"]
+    assert "this demo prefills at most 40 tokens" in waited[-1]["notice"]
+    assert 'data-kind="refused"' in waited[-1]["notice"]
     # an API call has no status line of earlier turns: its status says it, whatever history it sends
     api = dict(zip(ui.TURN_OUTPUTS, demo.mtp_page.chat_api(long, [["hi", "hello"]], *args[:6], model_key=args[6])))
     assert "This conversation is" in api["status"] and api["result"]["phase"] == "error"
