@@ -291,6 +291,7 @@ let shown = null, queue = Promise.resolve(), interruptedAt = -1e9;
 window.addEventListener('unhandledrejection', (e) => {
   if (e.reason === undefined && performance.now() - interruptedAt < 2000) e.preventDefault();
 });
+const playing = () => !!(gd._transitionData && gd._transitionData._animationRaf);
 const marked = () => {
   gd.removeAllListeners('plotly_animationinterrupted');
   gd.on('plotly_animationinterrupted', () => { interruptedAt = performance.now(); });
@@ -304,7 +305,6 @@ const draw = () => {
   slot.innerHTML = v.caption || '';
   const fig = Object.assign({}, v.figure, {config: config});
   // a new figure while Play runs: purge stops the animation (its frames would land on the new figure's traces)
-  const playing = () => !!(gd._transitionData && gd._transitionData._animationRaf);
   queue = queue.then(() => { if (playing()) window.Plotly.purge(gd); return window.Plotly.react(gd, fig); })
     .then(() => { marked(); gd.dataset.frames = String(v.frames); })
     .catch(e => console.error('pass figure:', e));
