@@ -219,6 +219,29 @@ def test_changed_weights_rebuild_and_training_mode_uses_the_library(base_tokeniz
     assert lm.fast_engine() is not None
 
 
+def test_every_kind_of_weight_change_rebuilds_the_engine(base_tokenizer):
+    """The engine is cached across new KV caches and built again after any change to the weights: a tensor changed
+    in place, a parameter's data swapped, a parameter or a module replaced, its parameter dict written directly
+    (as ``Module._apply`` may), a module added (peft's new adapter members)."""
+    lm = _tiny(base_tokenizer, "llama", torch.float64, adapter="lora")
+    layer = lm.model.base_model.model.model.layers[0]
+    proj = layer.mlp.down_proj.base_layer
+    changes = [
+        lambda: proj.weight.mul_(1.5),  # as an optimizer steps (a change through .data bumps no version: not seen)
+        lambda: setattr(proj.weight, "data", proj.weight.data.clone()),
+        lambda: setattr(proj, "weight", torch.nn.Parameter(proj.weight.data.clone(), requires_grad=False)),
+        lambda: proj._parameters.__setitem__("weight", torch.nn.Parameter(proj.weight.data.clone())),
+        lambda: setattr(layer.mlp, "act_fn", torch.nn.SiLU()),
+        lambda: layer.mlp.down_proj.lora_A.__setitem__("extra", torch.nn.Linear(4, 4, dtype=torch.float64)),
+    ]
+    for i, change in enumerate(changes):
+        engine = lm.fast_engine()
+        assert engine is not None and lm.fast_engine() is engine and lm.new_cache().engine is engine  # cached
+        with torch.no_grad():
+            change()
+        assert lm.fast_engine() is not engine, i
+
+
 def test_fallback_for_unsupported_models(base_tokenizer):
     """An architecture the fast path does not know runs on the library path, saying why."""
     from transformers import AutoModelForCausalLM, GPT2Config
@@ -283,7 +306,7 @@ def test_cache_grows_and_crops(base_tokenizer):
     list(dec)
     assert dec.cache.capacity >= dec.cache.get_seq_length() == len(dec.cached_ids)
     with torch.inference_mode():
-        fresh = lm.model(torch.tensor([dec.cached_ids]), use_cache=True).past_key_values
+        fresh = lm.model(torch.tensor([dec.cached_ids]), use_cache=True, logits_to_keep=1).past_key_values
     for layer, ref in zip(dec.cache.layers, fresh.layers):
         assert layer.keys.shape == ref.keys.shape
         torch.testing.assert_close(layer.keys, ref.keys, atol=1e-10, rtol=0)
