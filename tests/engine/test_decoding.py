@@ -87,7 +87,7 @@ def test_kv_cache_holds_exactly_the_fed_real_tokens(tiny_lm, strategy):
         assert dec.cached_ids + dec.pending == prompt_ids + dec.generated
         # ... and equals a fresh prefill of those tokens (float32: atol 1e-4)
         with torch.inference_mode():
-            fresh = lm.model(torch.tensor([dec.cached_ids]), use_cache=True).past_key_values
+            fresh = lm.model(torch.tensor([dec.cached_ids]), use_cache=True, logits_to_keep=1).past_key_values
         for layer, ref in zip(dec.cache.layers, fresh.layers):
             torch.testing.assert_close(layer.keys, ref.keys, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(layer.values, ref.values, atol=1e-4, rtol=1e-4)
@@ -157,7 +157,7 @@ def assert_cache_is_fresh_prefill(lm, dec, atol):
     assert dec.cache.get_seq_length() == len(dec.cached_ids)
     assert dec.cached_ids + dec.pending == dec.prompt_ids + dec.generated
     with torch.inference_mode():
-        fresh = lm.model(torch.tensor([dec.cached_ids]), use_cache=True).past_key_values
+        fresh = lm.model(torch.tensor([dec.cached_ids]), use_cache=True, logits_to_keep=1).past_key_values
     for layer, ref in zip(dec.cache.layers, fresh.layers):
         torch.testing.assert_close(layer.keys, ref.keys, atol=atol, rtol=atol)
         torch.testing.assert_close(layer.values, ref.values, atol=atol, rtol=atol)
@@ -389,7 +389,7 @@ def test_confadapt_and_cache_on_real_model(smollm2):
     for rec in dec:
         assert dec.cache.get_seq_length() == len(dec.cached_ids)
     with torch.inference_mode():
-        fresh = smollm2.model(torch.tensor([dec.cached_ids]), use_cache=True).past_key_values
+        fresh = smollm2.model(torch.tensor([dec.cached_ids]), use_cache=True, logits_to_keep=1).past_key_values
     for layer, ref in zip(dec.cache.layers, fresh.layers):
         torch.testing.assert_close(layer.keys, ref.keys, atol=1e-3, rtol=1e-3)
     # the first token of each block equals standard decoding's token at that place
