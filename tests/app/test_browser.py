@@ -39,6 +39,12 @@ JS_FRAMES = """() => {
   return gd && gd._transitionData && gd.dataset.frames === String(gd._transitionData._frames.length)
     ? gd._transitionData._frames.length : -1;
 }"""
+CONSOLE_ERRORS: dict[int, list[str]] = {}  # the console errors of each page open_page opened, by id(page)
+JS_FIGURE_STATE = """() => {
+  const gd = document.querySelector('#passes-figure .mtp-passes-plot');
+  return gd ? {drawn: gd.dataset.frames, frames: gd._transitionData ? gd._transitionData._frames.length : null,
+               caption: document.querySelector('#passes-figure .mtp-fig-caption-slot').textContent} : null;
+}"""
 JS_TEXTS = """(sel) => Array.from(document.querySelectorAll(sel)).map(e => e.textContent)"""
 
 
@@ -74,6 +80,8 @@ def browser():
 def open_page(browser, url, width=1440, height=900):
     ctx = browser.new_context(viewport={"width": width, "height": height})
     pg = ctx.new_page()
+    CONSOLE_ERRORS[id(pg)] = errors = []
+    pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     pg.set_default_timeout(TIMEOUT_MS)
     pg.goto(url)
     pg.wait_for_selector("#message textarea")
@@ -110,6 +118,8 @@ def _waited(pg, what: str, js: str, arg, timeout: int) -> None:
         pg.screenshot(path=str(shot), full_page=True)
         seen = {sel: pg.inner_text(sel) if pg.locator(sel).count() else None
                 for sel in ("#status", "#notice", "#stats-standard", "#stats-mtp")}
+        seen["pass figure"] = pg.evaluate(JS_FIGURE_STATE)
+        seen["console errors"] = CONSOLE_ERRORS.get(id(pg), [])[-5:]
         raise AssertionError(f"waited {timeout / 1000:.0f} s for {what}; the page showed {seen}; "
                              f"screenshot {shot}") from e
 
@@ -132,6 +142,11 @@ def wait_tokens(pg, n: int, panes: tuple[str, ...] = ("mtp",), or_status: str = 
             " const s = document.querySelector(`#stats-${p} .mtp-counters`);"
             " return c && s && s.dataset.state === 'running' && parseFloat(c.innerText) >= n; })",
             [n, list(panes), or_status], TIMEOUT_MS)
+
+
+def wait_frames(pg, n: int, timeout: int = 60_000) -> None:
+    """Wait until the pass figure has drawn ``n`` frames (one per forward pass of the answer)."""
+    _waited(pg, f"{n} frames in the pass figure", f"() => ({JS_FRAMES})() === {n}", None, timeout)
 
 
 def answers(pg, pane: str) -> list[str]:
@@ -336,7 +351,7 @@ def test_lossless_answer_and_the_page_at_390_px(page, served, capsys):
     assert answers(page, "chat-standard") == [ref.text] and answers(page, "chat-mtp") == [ref.text]
     assert "identical answers: lossless" in page.inner_text("#speedup")
     n_passes = int(page.inner_text("#stats-mtp [data-name='passes'] .mtp-counter-value"))
-    page.wait_for_function(f"() => ({JS_FRAMES})() === {n_passes}", timeout=30_000)
+    wait_frames(page, n_passes, 30_000)
     assert "draft rejected" in page.inner_text("#passes-figure .mtp-fig-caption").replace("✗ ", "")
     # the hatched (unused) blocks drew without Plotly's "Invalid color specifier: Array(n)" (a pattern's background
     # left to an array of bar colours, 18 warnings a turn)
@@ -650,7 +665,7 @@ def test_every_mode_at_390_and_1280_px(browser, served, capsys):
                 send(pg, prompt)
                 wait_status(pg, "Turn 1: done in")
                 n_passes = int(pg.inner_text("#stats-mtp [data-name='passes'] .mtp-counter-value"))
-                pg.wait_for_function(f"() => ({JS_FRAMES})() === {n_passes}", timeout=60_000)
+                wait_frames(pg, n_passes)
                 headline = pg.inner_text("#speedup .mtp-headline")
                 assert headline.count(".") >= 1 and ("faster" in headline or "slower" in headline or "same" in headline)
                 if mode == "lossless":
