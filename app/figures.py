@@ -6,10 +6,10 @@
   kept) marked apart, the kept ones green, the tau line; for lossless verification: the drafts the
   pass checked (accepted green, the rejected one red), the model's own token (its correction or
   its next token) and the new drafts its masks proposed for the next pass.
-* :func:`figure_json` — that figure (frames kept) as the JSON text the page's pass-figure component draws
-  (:data:`PASSES_JS`): one Plotly graph in the page, loaded once and updated with ``Plotly.react`` (``gr.Plot``
-  drops Plotly frames; an ``<iframe>`` per update made the browser parse plotly.js again every time).
-  plotly.js is not inlined: the page loads it once from :data:`PLOTLY_JS`, served as a static file.
+* :func:`figure_json` — a figure (frames kept) as the JSON text the page's figure components draw
+  (:data:`PLOT_JS`): each one Plotly graph in the page, updated with ``Plotly.react`` (``gr.Plot`` drops Plotly
+  frames, and brings its own copy of plotly.js: two copies cost the browser ~2 s of CPU more per page load on a
+  slow core). plotly.js is not inlined: the page loads it once from :data:`PLOTLY_JS`, served as a static file.
 * :func:`race_figure` — tokens generated vs seconds for both sides (the race).
 
 The trade-off figure is :mod:`app.tradeoff`.
@@ -265,26 +265,26 @@ def _animation_controls(n: int) -> tuple[list[dict], list[dict]]:
 
 
 def figure_json(fig: go.Figure | dict, caption: str = "") -> str:
-    """``fig`` (frames kept) and the HTML ``caption`` above it as the value of the pass-figure component.
+    """``fig`` (frames kept) and the HTML ``caption`` above it as the value of a figure component of the page.
 
     Returns:
         JSON text ``{"caption": str, "frames": int, "figure": {"data", "layout", "frames"}}``, which
-        :data:`PASSES_JS` draws in the page (and what an API client gets as the ``figure`` output).
+        :data:`PLOT_JS` draws in the page (and what an API client gets as the ``figure`` output).
     """
     body = pio.to_json(fig, validate=False)
     frames = fig.get("frames") if isinstance(fig, dict) else fig.frames
     return f'{{"caption": {json.dumps(caption)}, "frames": {len(frames or ())}, "figure": {body}}}'
 
 
-#: The pass-figure component's template: a slot for the caption and the graph's element, the same for every value
+#: The figure components' template: a slot for the caption and the graph's element, the same for every value
 #: (Gradio re-renders a template whose text changed, which would wipe the graph Plotly drew in it).
-PASSES_TEMPLATE = '<div class="mtp-fig-caption-slot"></div><div class="mtp-passes-plot" data-frames="0"></div>'
-#: The pass-figure component's script (Gradio's ``js_on_load``): draws each new value (:func:`figure_json`) into
-#: the same graph with ``Plotly.react``, in order, frames included (an animation still playing is stopped first);
+PLOT_TEMPLATE = '<div class="mtp-fig-caption-slot"></div><div class="mtp-plot" data-frames="0"></div>'
+#: The figure components' script (Gradio's ``js_on_load``): draws each new value (:func:`figure_json`) into the
+#: same graph with ``Plotly.react``, in order, frames included (an animation still playing is stopped first);
 #: ``data-frames`` holds the number of frames drawn.
-PASSES_JS = """
+PLOT_JS = """
 const slot = element.querySelector('.mtp-fig-caption-slot');
-const gd = element.querySelector('.mtp-passes-plot');
+const gd = element.querySelector('.mtp-plot');
 const config = {displaylogo: false, responsive: true, displayModeBar: false};
 let shown = null, queue = Promise.resolve(), interruptedAt = -1e9;
 // Plotly's Play button leaves its animation's promise unhandled: Pause (or a slider step) rejects it with nothing
@@ -301,19 +301,19 @@ const draw = () => {
   if (!text || text === shown) return;
   shown = text;
   let v;
-  try { v = JSON.parse(text); } catch (e) { console.error('pass figure: not JSON', e); return; }
+  try { v = JSON.parse(text); } catch (e) { console.error('figure: not JSON', e); return; }
   slot.innerHTML = v.caption || '';
   const fig = Object.assign({}, v.figure, {config: config});
   // a new figure while Play runs: purge stops the animation (its frames would land on the new figure's traces)
   queue = queue.then(() => { if (playing()) window.Plotly.purge(gd); return window.Plotly.react(gd, fig); })
     .then(() => { marked(); gd.dataset.frames = String(v.frames); })
-    .catch(e => console.error('pass figure:', e));
+    .catch(e => console.error('figure:', e));
 };
 watch('value', draw);
 draw();
 """
-#: What the page's head needs for :data:`PASSES_JS`: plotly.js, loaded once (Gradio loads a ``head`` script once).
-PASSES_HEAD = f'<script src="{PLOTLY_JS_URL}"></script>'
+#: What the page's head needs for :data:`PLOT_JS`: plotly.js, loaded once (Gradio loads a ``head`` script once).
+PLOT_HEAD = f'<script src="{PLOTLY_JS_URL}"></script>'
 
 
 def race_figure(panes: Sequence[tuple[str, Sequence[PassRecord]]]) -> go.Figure:

@@ -28,6 +28,7 @@ from model.engine.strategies import DEFAULT_STATIC_K, DEFAULT_TAU
 
 from . import figures, headline, pass_table, render, tradeoff
 from .device import SHAPE_CHOICES, SWEEP_MAX_NEW_TOKENS, SWEEP_TAUS
+from .graph import PlotlyGraph
 from .outputs import STD_TITLE, TURN_OUTPUTS, figure_value, mtp_title
 from .page import Page
 from .registry import ModelRegistry
@@ -172,18 +173,17 @@ def _answers(c: SimpleNamespace) -> None:
                          label="MTP answer, one colour per forward pass")
     with gr.Row(equal_height=False):
         with gr.Column(scale=3, min_width=300):
-            c.figure = gr.HTML(figure_value(None), elem_id="passes-figure", html_template=figures.PASSES_TEMPLATE,
-                               js_on_load=figures.PASSES_JS, head=figures.PASSES_HEAD)
+            c.figure = PlotlyGraph(figure_value(None), elem_id="passes-figure")
         with gr.Column(scale=2, min_width=300):
-            c.race = gr.Plot(figures.race_figure([]), show_label=False, elem_id="race")
+            c.race = PlotlyGraph(figures.race_figure([]), elem_id="race")
 
 
 def _tradeoff_and_model(page: Page, c: SimpleNamespace) -> None:
     """The trade-off figure and its Measure button, the per-pass table, the model menu."""
     with gr.Accordion("Speed vs quality: the trade-off over tau", open=True, elem_id="tradeoff-accordion"):
         sweep, source = page.facts.sweep(page.default_key, page.loaded(None))
-        c.tradeoff = gr.Plot(tradeoff.tradeoff_figure(sweep, tau=DEFAULT_TAU, k_max=page.default_k_max, source=source),
-                             show_label=False, elem_id="tradeoff")
+        c.tradeoff = PlotlyGraph(tradeoff.tradeoff_figure(sweep, tau=DEFAULT_TAU, k_max=page.default_k_max,
+                                                          source=source), elem_id="tradeoff")
         with gr.Row(equal_height=False):
             with gr.Column(scale=1, min_width=200):
                 c.measure = gr.Button("Measure the trade-off", elem_id="measure-tradeoff", size="sm",

@@ -35,13 +35,13 @@ TIMEOUT_MS = 180_000
 FIB = "Write a Python function that returns the n-th Fibonacci number iteratively."
 
 JS_FRAMES = """() => {
-  const gd = document.querySelector('#passes-figure .mtp-passes-plot');
+  const gd = document.querySelector('#passes-figure .mtp-plot');
   return gd && gd._transitionData && gd.dataset.frames === String(gd._transitionData._frames.length)
     ? gd._transitionData._frames.length : -1;
 }"""
 CONSOLE_ERRORS: dict[int, list[str]] = {}  # the console errors of each page open_page opened, by id(page)
 JS_FIGURE_STATE = """() => {
-  const gd = document.querySelector('#passes-figure .mtp-passes-plot');
+  const gd = document.querySelector('#passes-figure .mtp-plot');
   return gd ? {drawn: gd.dataset.frames, frames: gd._transitionData ? gd._transitionData._frames.length : null,
                caption: document.querySelector('#passes-figure .mtp-fig-caption-slot').textContent} : null;
 }"""
@@ -388,7 +388,7 @@ def test_lossless_answer_and_the_page_at_390_px(page, served, capsys):
         return (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05); })""")
     assert contrast and min(contrast) >= 4.5
     # Plotly: the title fits, Play / Pause do not cover the slider's label
-    fig = page.locator("#passes-figure .mtp-passes-plot")
+    fig = page.locator("#passes-figure .mtp-plot")
     box = fig.locator(".gtitle").bounding_box(timeout=10_000)
     frame_box = fig.bounding_box()
     assert box["x"] >= frame_box["x"] - 1 and box["x"] + box["width"] <= frame_box["x"] + frame_box["width"] + 1
@@ -628,7 +628,7 @@ MODES = (("ConfAdapt", "What is 12 times 7? Think step by step."),
          ("static k", "Name three colours of the rainbow."),
          ("lossless", FIB))
 JS_TICKS = """() => {
-  const d = document.querySelector('#passes-figure .mtp-passes-plot'), g = d.getBoundingClientRect();
+  const d = document.querySelector('#passes-figure .mtp-plot'), g = d.getBoundingClientRect();
   const buttons = Array.from(d.querySelectorAll('.updatemenu-button')).map(b => b.getBoundingClientRect());
   return Array.from(d.querySelectorAll('.xaxislayer-above .xtick text')).map(t => {
     const r = t.getBoundingClientRect();

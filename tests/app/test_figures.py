@@ -134,8 +134,8 @@ def test_the_pass_figure_reaches_the_page_as_json_into_one_graph():
     assert value["caption"] == '<p class="mtp-fig-caption">a & b</p>' and value["frames"] == 3
     assert [f["name"] for f in value["figure"]["frames"]] == ["0", "1", "2"]
     assert value["figure"]["data"][0]["y"] == [2, 2, 2] and value["figure"]["layout"]["sliders"]
-    assert "${" not in figures.PASSES_TEMPLATE and "{{" not in figures.PASSES_TEMPLATE
-    assert "Plotly.react" in figures.PASSES_JS and figures.PLOTLY_JS_URL in figures.PASSES_HEAD
+    assert "${" not in figures.PLOT_TEMPLATE and "{{" not in figures.PLOT_TEMPLATE
+    assert "Plotly.react" in figures.PLOT_JS and figures.PLOTLY_JS_URL in figures.PLOT_HEAD
     assert figures.PLOTLY_JS.is_file()
 
 
