@@ -8,7 +8,7 @@
   its next token) and the new drafts its masks proposed for the next pass.
 * :func:`figure_json` — a figure (frames kept) as the JSON text the page's figure components draw
   (:data:`PLOT_JS`): each one Plotly graph in the page, updated with ``Plotly.react`` (``gr.Plot`` drops Plotly
-  frames, and brings its own copy of plotly.js: two copies cost the browser ~2 s of CPU more per page load on a
+  frames, and brings its own copy of plotly.js: two copies cost the browser ~2.5 s of CPU more per page load on a
   slow core). plotly.js is not inlined: the page loads it once from :data:`PLOTLY_JS`, served as a static file.
 * :func:`race_figure` — tokens generated vs seconds for both sides (the race).
 
