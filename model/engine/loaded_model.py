@@ -21,8 +21,8 @@ import torch
 from .backend import LibraryForward, PassInput
 from .strategies import DEFAULT_K_MAX
 from .threads import serial_torch
-from .weights_signature import WeightsSignature
 from .text import TokenBytes, chat_prompt_ids, encode_literal
+from .weights_signature import WeightsSignature
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,8 @@ class _FastState:
 
     def engine_for(self, model: Any) -> Any:
         """The engine of ``model``; built again when the model object or its weights changed (an
-        optimizer step bumps the tensors' versions; a swapped tensor changes its address)."""
+        optimizer step bumps the tensors' versions; a swapped tensor changes its address; a replaced parameter or
+        module changes its id: :class:`~model.engine.weights_signature.WeightsSignature`)."""
         sig = self.weights(model)
         if self.model is model and self.signature == sig:
             return self.engine

@@ -37,26 +37,26 @@ class WeightsSignature:
     cache."""
 
     def __init__(self) -> None:
-        self.model: Any = None
-        self.registrations = -1
-        self.owners: list[dict] = []  # the ``_parameters`` dicts of the modules that own parameters
-        self.structure = 0  # the sum of the modules' ids, from the last walk
+        # (model, registrations seen, the ``_parameters`` dicts of its modules that own parameters, the sum of its
+        # modules' ids), replaced as a whole: a call from another thread reads one walk's results, never a mix
+        self._walk: tuple[Any, int, list[dict], int] = (None, -1, [], 0)
 
     def __call__(self, model: Any) -> tuple[int, int, int, int, int]:
-        if model is not self.model or _REGISTRATIONS[0] != self.registrations:
-            self.model, self.registrations = model, _REGISTRATIONS[0]
+        walked, registrations, owners, structure = self._walk
+        if model is not walked or _REGISTRATIONS[0] != registrations:
+            registrations = _REGISTRATIONS[0]
             modules = _modules(model)
-            self.owners = [m._parameters for m in modules if m._parameters]
-            self.structure = sum(map(id, modules))
+            owners, structure = [m._parameters for m in modules if m._parameters], sum(map(id, modules))
+            self._walk = (model, registrations, owners, structure)
         n = version = address = ident = 0
-        for params in self.owners:
-            for p in params.values():
+        for params in owners:
+            for p in list(params.values()):
                 if p is not None:
                     n += 1
                     version += p._version
                     address += p.data_ptr()
                     ident += id(p)
-        return self.structure, n, version, address, ident
+        return structure, n, version, address, ident
 
 
 def _modules(model: Any) -> list:
