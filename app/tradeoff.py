@@ -113,11 +113,11 @@ def tradeoff_figure(sweep: Sweep | None, *, tau: float | None = None, k_max: int
     if sweep is None:
         fig.add_annotation(text="No sweep yet: press<br>“Measure the trade-off”", xref="paper", yref="paper", x=0.5,
                            y=0.55, showarrow=False, font={"size": 13})
-    fig.update_yaxes(title_text="share", range=[-0.08, 1.12], tickformat=".0%", row=1, col=1)
+    fig.update_yaxes(title_text="share", range=[-0.08, 1.2], tickformat=".0%", row=1, col=1)
     fig.update_yaxes(title_text="nats/token", row=2, col=1)
     fig.update_xaxes(title_text="effective k (tokens per pass)", row=2, col=1)
     fig.update_layout(title={"text": _title(sweep, source), "x": 0.0, "xanchor": "left", "font": {"size": 14}},
-                      height=620, autosize=True, margin=dict(l=55, r=10, t=70, b=150), hovermode="closest",
+                      height=660, autosize=True, margin=dict(l=55, r=10, t=110, b=150), hovermode="closest",
                       legend=dict(orientation="h", x=0.0, xanchor="left", y=-0.16, yanchor="top",
                                   font={"size": 11}))
     return fig
@@ -211,15 +211,16 @@ def _answer_traces(panels: _Panels, answers: Sequence[AnswerPoint]) -> None:
 
 
 def _title(sweep: Sweep | None, source: str | None) -> str:
-    """The figure's title: what the sweep was measured on and where it comes from."""
+    """The figure's title: what the sweep was measured on (first line) and where it comes from (second line):
+    short lines, since Plotly does not wrap a title and a phone shows ~60 characters of one."""
     if sweep is None:
         return "Speed vs quality<br><sup>no measured trade-off for this checkpoint yet</sup>"
-    bits = [sweep.model or ""]
+    what = [sweep.model or ""]
     if sweep.n_prompts:
-        bits.append(f"{sweep.n_prompts} prompts")
+        what.append(f"{sweep.n_prompts} prompts")
     if sweep.max_new_tokens:
-        bits.append(f"{sweep.max_new_tokens} tokens each")
-    if source:
-        bits.append("shipped with the checkpoint" if source == "shipped" else "measured on this page")
-    bits.append("greedy decoding")
-    return "Speed vs quality<br><sup>" + html.escape(", ".join(b for b in bits if b)) + "</sup>"
+        what.append(f"{sweep.max_new_tokens} tokens each")
+    how = ["shipped with the checkpoint" if source == "shipped" else "measured on this page"] if source else []
+    how.append("greedy decoding")
+    lines = [", ".join(b for b in bits if b) for bits in (what, how)]
+    return "Speed vs quality" + "".join(f"<br><sup>{html.escape(line)}</sup>" for line in lines if line)

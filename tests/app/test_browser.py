@@ -789,15 +789,20 @@ JS_TRADEOFF_LABELS = """() => {
   const labels = Array.from(document.querySelectorAll('#tradeoff .textpoint text')).filter(t => t.textContent.trim())
     .map(t => { const r = t.getBoundingClientRect();
                 return {text: t.textContent, left: r.left, right: r.right, top: r.top, bottom: r.bottom}; });
-  return {left: box.left, right: box.right, labels};
+  const boxes = (sel) => Array.from(document.querySelectorAll(sel)).filter(t => t.textContent.trim())
+    .map(t => { const r = t.getBoundingClientRect();
+                return {text: t.textContent, left: r.left, right: r.right, top: r.top, bottom: r.bottom}; });
+  return {left: box.left, right: box.right, top: box.top, labels, titles: boxes('#tradeoff .gtitle'),
+          subplot_titles: boxes('#tradeoff .annotation-text')};
 }"""
 
 
 @pytest.mark.parametrize("width", [390, 1280])
 def test_the_trade_off_labels_neither_overlap_nor_leave_the_figure(browser, served, width, capsys):
     """The shipped sweep's labels: tau 0.5 and 0.7 sit at nearly the same point (they overlapped), and "k_max 4
-    full" sits near the right end (it was clipped at 390 px). Every label is whole inside the figure and no two
-    labels overlap."""
+    full" sits near the right end (it was clipped at 390 px). Every label, the title and its subtitle (cut at
+    the right edge at 390 px, once) are whole inside the figure; no two labels overlap, nor a label or the
+    title and a panel's title (the labels at 100% touched the top panel's title)."""
     ctx, pg = open_page(browser, served[1], width, 900)
     try:
         pg.wait_for_function("() => document.querySelectorAll('#tradeoff .textpoint text').length > 0",
@@ -806,10 +811,15 @@ def test_the_trade_off_labels_neither_overlap_nor_leave_the_figure(browser, serv
         found = pg.evaluate(JS_TRADEOFF_LABELS)
         texts = [lab["text"] for lab in found["labels"]]
         assert any("0.5" in t for t in texts) and any("0.7" in t for t in texts) and "k_max 4 full" in texts
-        for lab in found["labels"]:
+        assert found["titles"] and any("Speed vs quality" in t["text"] for t in found["titles"])
+        for lab in found["labels"] + found["titles"]:
             assert found["left"] - 0.5 <= lab["left"] and lab["right"] <= found["right"] + 0.5, lab
         for i, a in enumerate(found["labels"]):
-            for b in found["labels"][i + 1:]:
+            for b in found["labels"][i + 1:] + found["subplot_titles"]:
+                assert not overlap(a, b), (a, b)
+        for a in found["titles"]:  # the subtitle's last line once ran into the top panel's title
+            assert a["top"] >= found["top"] - 0.5, a
+            for b in found["subplot_titles"]:
                 assert not overlap(a, b), (a, b)
         screenshot(pg, f"app_tradeoff_labels_{width}.png", capsys)
     finally:
