@@ -38,9 +38,11 @@ def timing_html() -> str:
 
 # ---------------------------------------------------------------------------- speed
 def times_text(ratio: float) -> str:
-    """``1.32× faster``, ``2.80× slower`` or ``1.00× (the same speed)``."""
+    """``1.32× faster``, ``2.80× slower`` or ``1.00× (the same speed)``, read from ``ratio`` to the 4 decimals the
+    API reports it with (a client wording the reported ratio gets the same text)."""
     if not math.isfinite(ratio) or ratio <= 0:
         return "unknown"
+    ratio = round(ratio, 4)
     if round(ratio, 2) == 1.0:
         return "1.00× (the same speed)"
     return f"{ratio:.2f}× faster" if ratio > 1 else f"{1 / ratio:.2f}× slower"
@@ -133,7 +135,7 @@ def _sampled_cost(state: TurnState) -> tuple[str, bool]:
 
 def direction(ratio: float) -> int:
     """1 faster, -1 slower, 0 the same speed (as :func:`times_text` words it, to two decimals)."""
-    if not math.isfinite(ratio) or ratio <= 0 or round(ratio, 2) == 1.0:
+    if not math.isfinite(ratio) or ratio <= 0 or round(round(ratio, 4), 2) == 1.0:
         return 0
     return 1 if ratio > 1 else -1
 

@@ -23,6 +23,10 @@ def test_speed_is_worded_as_faster_or_slower():
     assert headline.times_text(1 / 2.8) == "2.80× slower"
     assert headline.times_text(2.31) == "2.31× faster"
     assert headline.times_text(0.998) == "1.00× (the same speed)"
+    # the API reports the ratio to 4 decimals beside this text: the text read from either agrees (1.035004 said
+    # "1.04× faster" beside a reported 1.035, which says "1.03× faster")
+    for r in (1.035004, 1.034996, 1 / 1.035004, 1.005001, 0.995004, 2.344999):
+        assert headline.times_text(r) == headline.times_text(round(r, 4)), r
 
 
 @pytest.mark.integration
