@@ -113,25 +113,49 @@ class Enumerating(TokenSampler):
         return self._pick([(True, float(p)), (False, 1.0 - float(p))])
 
 
+def fork(dec: Decoder) -> Decoder:
+    """A copy of ``dec`` with its own KV cache and state; the model, its engine and the random source are not
+    copied (the copy gets no random source: the caller gives it one)."""
+    keep = {id(dec.lm): dec.lm, id(dec.sampler): None}
+    engine = getattr(dec.cache, "engine", None)
+    if engine is not None:
+        keep[id(engine)] = engine
+    return copy.deepcopy(dec, keep)
+
+
 def exact_distribution(lm, prompt, strategy, sampling, n):
-    """The exact distribution of the first ``n`` tokens the decoder emits, by enumerating its choices."""
+    """The exact distribution of the first ``n`` tokens the decoder emits, by enumerating its choices, and the
+    number of distinct runs. Depth first over the decoder's passes, each driven through its own steps as a batch
+    runner drives it (``next_layout``, ``pass_input``, ``forward_batch``, ``finish_pass``): a pass's forward runs
+    once, and its acceptance once per combination of the choices made in it, each on a copy of the decoder taken
+    after the forward (a run's choices in one pass never change that pass's logits)."""
     dist: dict = defaultdict(float)
-    script: list[int] = []
     runs = 0
-    while True:
-        dec = Decoder(lm, prompt, strategy, n, sampling)
-        dec.sampler = Enumerating(script)
-        for _ in dec:
-            pass
-        dist[tuple(dec.generated)] += dec.sampler.prob
-        runs += 1
-        options = dec.sampler.options
-        script = list(script) + [0] * (len(options) - len(script))
-        while script and script[-1] + 1 >= options[len(script) - 1]:
-            script.pop()
-        if not script:
-            return dict(dist), runs
-        script[-1] += 1
+    stack = [(Decoder(lm, prompt, strategy, n, sampling), 1.0)]
+    with torch.inference_mode():
+        while stack:
+            dec, prob = stack.pop()
+            if dec.done:
+                dist[tuple(dec.generated)] += prob
+                runs += 1
+                continue
+            with lm.engine_step(dec.cache):
+                layout = dec.next_layout()
+                logits = lm.forward_batch([dec.pass_input(layout)])[0]
+                script: list[int] = []
+                while True:  # every combination of this pass's choices
+                    child = fork(dec)
+                    child.sampler = Enumerating(script)
+                    child.finish_pass(layout, logits, 0.0)
+                    stack.append((child, prob * child.sampler.prob))
+                    options = child.sampler.options
+                    script = list(script) + [0] * (len(options) - len(script))
+                    while script and script[-1] + 1 >= options[len(script) - 1]:
+                        script.pop()
+                    if not script:
+                        break
+                    script[-1] += 1
+    return dict(dist), runs
 
 
 @pytest.fixture(scope="module")
