@@ -163,14 +163,34 @@ class _LockedModel(LoadedModel):
     sessions generate neither overlaps their timed passes nor switches their adapter off."""
 
     _app_lock: Any = None
+    _holding: Any = None  # threading.local(): how deeply this thread is inside _locked
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The app's lock, taken once by a thread however deeply it nests: the teacher's pass
+        (:meth:`forward_batch`) runs inside :meth:`base_model`, which already holds it."""
+        depth = getattr(self._holding, "depth", 0)
+        if depth:
+            self._holding.depth = depth + 1
+            try:
+                yield
+            finally:
+                self._holding.depth = depth
+            return
+        with self._app_lock:
+            self._holding.depth = 1
+            try:
+                yield
+            finally:
+                self._holding.depth = 0
 
     def forward_batch(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102 - every pass's entry, under the lock
-        with self._app_lock:
+        with self._locked():
             return super().forward_batch(*args, **kwargs)
 
     @contextlib.contextmanager
     def base_model(self) -> Iterator[Any]:  # noqa: D102 - LoadedModel.base_model under the lock
-        with self._app_lock:
+        with self._locked():
             with super().base_model() as model:
                 yield model
 
@@ -180,7 +200,7 @@ def locked_view(lm: LoadedModel, lock: Any) -> LoadedModel:
 
     A workaround: the engine's :func:`~model.evaluation.sweep.run_sweep` has no hook for a lock per pass."""
     view = _LockedModel(**{f.name: getattr(lm, f.name) for f in dataclasses.fields(lm) if f.init})
-    view._app_lock = lock
+    view._app_lock, view._holding = lock, threading.local()
     return view
 
 

@@ -34,9 +34,11 @@ def teacher_logprob(lm: LoadedModel, context_ids: Sequence[int], continuation_id
     whether every continuation token is the teacher's greedy choice.
 
     The teacher is the base model with any MTP adapter off (:meth:`LoadedModel.base_model`).
-    One forward pass over ``[1, C + A]`` tokens; log-softmax in float32 over the vocabulary
-    without the mask token (as the decoder's confidences), so for standard decoding the
-    log-probability of each token is the log of its confidence.
+    One forward pass over ``[1, C + A]`` tokens into a new KV cache, on the model's own engine
+    (:meth:`LoadedModel.forward`: our kernels where they run; transformers' forward, the library
+    path, took 2.3 s for a 150-token GSM8K answer in bf16 on an AVX2 CPU); log-softmax in float32
+    over the vocabulary without the mask token (as the decoder's confidences), so for standard
+    decoding the log-probability of each token is the log of its confidence.
 
     Args:
         context_cache: ``(cache, cached_ids)``: a KV cache of the *teacher* over ``cached_ids`` (e.g. the
@@ -60,12 +62,9 @@ def teacher_logprob(lm: LoadedModel, context_ids: Sequence[int], continuation_id
         while reuse < limit and int(cached_ids[reuse]) == context[reuse]:
             reuse += 1
     ids = torch.tensor([context[reuse:] + list(continuation_ids)], dtype=torch.long, device=lm.device)
-    with lm.base_model() as model:
-        if reuse:
-            logits = lm.forward(ids, _prefix_cache(context_cache[0], reuse), num_masks=0,
-                                logits_to_keep=n + 1)[0, :-1].float()
-        else:
-            logits = model(input_ids=ids, use_cache=False, logits_to_keep=n + 1).logits[0, :-1].float()
+    with lm.base_model():
+        cache = _prefix_cache(context_cache[0], reuse) if reuse else lm.new_cache()
+        logits = lm.forward(ids, cache, num_masks=0, logits_to_keep=n + 1)[0, :-1].float()
     logits[:, lm.mask_token_id] = float("-inf")  # as in decoding: the mask token is never a candidate
     logp = torch.log_softmax(logits, dim=-1)
     target = ids[0, -n:]

@@ -215,7 +215,9 @@ def test_acceptance_comes_from_the_sweep_else_a_stated_default(tiny_registry):
 
 def test_a_sweep_is_measured_pass_by_pass_under_the_forward_lock(tiny_registry):
     """The page's "Measure the trade-off": run_sweep on a view whose every pass (and the teacher's) takes the
-    app's lock, so that it never overlaps another session's timed pass nor switches its adapter off."""
+    app's lock, so that it never overlaps another session's timed pass nor switches its adapter off; the
+    teacher's scoring pass, which runs inside the adapter-off context that holds the lock, does not take it
+    again (a plain lock: it waited forever)."""
     import threading
 
     from app.device import ModelFacts, locked_view
@@ -224,8 +226,8 @@ def test_a_sweep_is_measured_pass_by_pass_under_the_forward_lock(tiny_registry):
         def __init__(self):
             self.lock, self.entered = threading.Lock(), 0
 
-        def __enter__(self):
-            self.lock.acquire()
+        def __enter__(self):  # a thread that took it again while holding it would wait forever: fail instead
+            assert self.lock.acquire(timeout=60), "the lock was taken again by the thread that holds it"
             self.entered += 1
 
         def __exit__(self, *exc):

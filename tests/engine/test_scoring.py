@@ -56,7 +56,7 @@ def test_teacher_score_on_a_prompt_cache_feeds_only_the_answer(base_tokenizer, p
         other = teacher_logprob(lm, ctx, answer, context_cache=(cache, [t + 1 for t in cached_ids]))  # none shared
     finally:
         lm.forward = run
-    assert fed == [1 + len(answer), len(ctx) - 3 + len(answer)]  # no shared prefix: one pass over all, as before
+    assert fed == [1 + len(answer), len(ctx) - 3 + len(answer), len(ctx) + len(answer)]  # none shared: all
     for res in (got, short, other):
         assert res[0] == pytest.approx(want[0], abs=1e-9) and res[1] == want[1]
     assert cache.get_seq_length() == len(cached_ids)
