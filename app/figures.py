@@ -166,11 +166,13 @@ def _verify_bars(records: Sequence[PassRecord], i: int) -> dict:
 
 
 def _frame_title(rec: PassRecord, n: int) -> str:
-    """A frame's title: the pass, what it kept and why the block ended, and when the pass carried other sessions'
-    rows too, with how many (``shared by 3 sessions, 14 rows``)."""
-    k = len(rec.kept)
+    """A frame's title: the pass and what it kept, then in a smaller second line why the block ended and, when the
+    pass carried other sessions' rows too, with how many (``shared by 3 sessions, 14 rows``). Two short lines:
+    Plotly does not wrap a title, and one line ran past a phone's figure (``Pass 123 of 123: kept 1 (the next
+    proposal was below tau)``)."""
     shared = f" · shared by {rec.shared_sequences} sessions, {rec.shared_rows} rows" if rec.shared_sequences > 1 else ""
-    return f"Pass {rec.index + 1} of {n}: kept {k} ({BLOCK_END_WORDS.get(rec.block_end, rec.block_end)}){shared}"
+    why = BLOCK_END_WORDS.get(rec.block_end, rec.block_end)
+    return f"Pass {rec.index + 1} of {n}: kept {len(rec.kept)}<br><sup>{why}{shared}</sup>"
 
 
 def passes_figure(records: Sequence[PassRecord], strategy: Strategy | None, animate: bool = True) -> dict:
@@ -225,8 +227,8 @@ def passes_figure(records: Sequence[PassRecord], strategy: Strategy | None, anim
     # rotated token labels: automargin keeps the first ones inside the figure on a phone (390 px)
     fig.update_xaxes(tickangle=-50, type="category", automargin=True, row=2, col=1)
     fig.update_layout(title={"text": _frame_title(records[last], n), "x": 0.0, "xanchor": "left", "font": {"size": 14}},
-                      height=600, showlegend=False, autosize=True, barmode="overlay",
-                      margin=dict(l=45, r=10, t=70, b=175))
+                      height=610, showlegend=False, autosize=True, barmode="overlay",
+                      margin=dict(l=45, r=10, t=80, b=175))
     out = fig.to_dict()
     for trace, filled in zip(out["data"], [_kept_bars(records)] + traces(last)):
         trace.update(filled)

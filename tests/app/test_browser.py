@@ -637,6 +637,16 @@ JS_TICKS = """() => {
             under: buttons.some(b => !(r.right <= b.left || b.right <= r.left || r.bottom <= b.top || b.bottom <= r.top))};
   });
 }"""
+JS_LONGEST_TITLE_FITS = """async () => {
+  const gd = document.querySelector('#passes-figure .mtp-plot');
+  const titles = gd._transitionData._frames.map(f => f.layout.title.text);
+  const longest = titles.reduce((a, b) => a.length >= b.length ? a : b);
+  await Plotly.relayout(gd, {'title.text': longest});  // the longest frame's title, shown as its frame shows it
+  const b = gd.querySelector('.main-svg').getBoundingClientRect(), r = gd.querySelector('.gtitle').getBoundingClientRect();
+  const clear = Array.from(gd.querySelectorAll('.annotation-text')).every(a => { const q = a.getBoundingClientRect();
+    return r.right <= q.left || q.right <= r.left || r.bottom <= q.top || q.bottom <= r.top; });
+  return {text: longest, inside: r.left >= b.left - 0.5 && r.right <= b.right + 0.5 && r.top >= b.top - 0.5, clear};
+}"""
 JS_DROPDOWN = """() => {
   const input = document.querySelector('#model-choice input');
   const icon = document.querySelector('#model-choice .icon-wrap');
@@ -648,9 +658,9 @@ JS_DROPDOWN = """() => {
 
 def test_every_mode_at_390_and_1280_px(browser, served, capsys):
     """A finished turn of ConfAdapt and lossless with the default model at 390x844 (static k draws ConfAdapt's
-    figure), of ConfAdapt at 1280 wide (lossless runs wide above; screenshots, printed); the pass chart's rotated
-    token labels stay inside the figure and off its buttons, and the model dropdown's arrow does not cover its
-    text."""
+    figure), of ConfAdapt at 1280 wide (lossless runs wide above; screenshots, printed); the pass chart's title (its
+    longest frame's) and rotated token labels stay inside the figure, the title clear of the panels' titles, the
+    labels off its buttons, and the model dropdown's arrow does not cover its text."""
     _, url, _ = served
     for width, height, modes in ((390, 844, (MODES[0], MODES[2])), (1280, 900, MODES[:1])):
         ctx, pg = open_page(browser, url, width, height)
@@ -678,6 +688,8 @@ def test_every_mode_at_390_and_1280_px(browser, served, capsys):
                 ticks = pg.evaluate(JS_TICKS)
                 assert ticks and all(t["left"] >= 0 and t["right"] <= t["width"] + 1 for t in ticks), ticks
                 assert not any(t["under"] for t in ticks), ticks
+                title = pg.evaluate(JS_LONGEST_TITLE_FITS)  # "Pass 123 of 123: kept 1 (the next proposal was below
+                assert title["inside"] and title["clear"], title  # tau)", one line, ran past the edge at 390 px
             pg.click("#model-accordion .label-wrap")
             pg.locator("#model-choice input").wait_for(state="visible")
             box = pg.evaluate(JS_DROPDOWN)

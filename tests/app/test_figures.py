@@ -38,8 +38,8 @@ def test_lossless_turn_equals_standard_and_its_figure_marks_the_drafts(registry)
         assert heights[: rec.fed_drafts] == check.confidences  # the model's confidence at each draft's place
         why = {"k_max": "every proposal kept", "draft rejected": "a draft was rejected",
                "max_new_tokens": "max new tokens reached", "utf-8": "the next proposal would split a character"}
-        assert frame["layout"]["title"]["text"].startswith(f"Pass {rec.index + 1} of {len(fig['frames'])}: kept "
-                                                           f"{len(rec.kept)} ({why[rec.block_end]})")
+        assert frame["layout"]["title"]["text"] == (f"Pass {rec.index + 1} of {len(fig['frames'])}: kept "
+                                                     f"{len(rec.kept)}<br><sup>{why[rec.block_end]}</sup>")
     assert "shapes" not in fig["layout"] or not fig["layout"]["shapes"]  # no tau line when verifying
     checks = [r.verification for r in last.mtp.passes]
     assert any(c.correction is not None for c in checks) or any(c.accepted for c in checks)

@@ -123,7 +123,9 @@ def test_the_pass_figure_and_table_say_when_a_pass_was_shared(kernel_registry):
     fig = figures.passes_figure(state.mtp.passes, state.strategy)
     titles = [f["layout"]["title"]["text"] for f in fig["frames"]]
     p = shared[0]
-    assert f"shared by {p.shared_sequences} sessions, {p.shared_rows} rows" in titles[p.index]
+    assert f"shared by {p.shared_sequences} sessions, {p.shared_rows} rows</sup>" in titles[p.index]
+    # on the title's smaller second line: the first stays as short as a phone's figure needs
+    assert all(len(t.split("<br>")[0]) <= len("Pass 999 of 999: kept 32") for t in titles)
     alone = [t for t, q in zip(titles, state.mtp.passes) if q.shared_sequences == 1]
     assert all("shared" not in t for t in alone)
     table = pass_table.pass_table_html(state)
