@@ -117,7 +117,7 @@ def tradeoff_figure(sweep: Sweep | None, *, tau: float | None = None, k_max: int
     fig.update_yaxes(title_text="nats/token", row=2, col=1)
     fig.update_xaxes(title_text="effective k (tokens per pass)", row=2, col=1)
     fig.update_layout(title={"text": _title(sweep, source), "x": 0.0, "xanchor": "left", "font": {"size": 14}},
-                      height=660, autosize=True, margin=dict(l=55, r=10, t=110, b=150), hovermode="closest",
+                      height=670, autosize=True, margin=dict(l=55, r=10, t=120, b=150), hovermode="closest",
                       legend=dict(orientation="h", x=0.0, xanchor="left", y=-0.16, yanchor="top",
                                   font={"size": 11}))
     return fig
@@ -210,11 +210,16 @@ def _answer_traces(panels: _Panels, answers: Sequence[AnswerPoint]) -> None:
                    name=title, colour=colour, symbol="circle", size=11, open_marker=True, hover=hover)
 
 
+#: The title's second and third lines: smaller, on the same baseline spacing as the first (``<sup>`` lines were
+#: raised, so the gap under the title looked half the gap between them).
+_SMALL = '<span style="font-size:10px">'
+
+
 def _title(sweep: Sweep | None, source: str | None) -> str:
     """The figure's title: what the sweep was measured on (first line) and where it comes from (second line):
     short lines, since Plotly does not wrap a title and a phone shows ~60 characters of one."""
     if sweep is None:
-        return "Speed vs quality<br><sup>no measured trade-off for this checkpoint yet</sup>"
+        return f"Speed vs quality<br>{_SMALL}no measured trade-off for this checkpoint yet</span>"
     what = [sweep.model or ""]
     if sweep.n_prompts:
         what.append(f"{sweep.n_prompts} prompts")
@@ -223,4 +228,5 @@ def _title(sweep: Sweep | None, source: str | None) -> str:
     how = ["shipped with the checkpoint" if source == "shipped" else "measured on this page"] if source else []
     how.append("greedy decoding")
     lines = [", ".join(b for b in bits if b) for bits in (what, how)]
-    return "Speed vs quality" + "".join(f"<br><sup>{html.escape(line)}</sup>" for line in lines if line)
+    return "Speed vs quality" + "".join(f"<br>{_SMALL}{html.escape(line)}</span>" for line in lines if line)
+
