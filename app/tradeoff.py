@@ -216,8 +216,8 @@ _SMALL = '<span style="font-size:10px">'
 
 
 def _title(sweep: Sweep | None, source: str | None) -> str:
-    """The figure's title: what the sweep was measured on (first line) and where it comes from (second line):
-    short lines, since Plotly does not wrap a title and a phone shows ~60 characters of one."""
+    """The figure's title, then two smaller lines: what the sweep was measured on, and where it comes from (short
+    lines: Plotly does not wrap a title, and a phone shows ~60 characters of one)."""
     if sweep is None:
         return f"Speed vs quality<br>{_SMALL}no measured trade-off for this checkpoint yet</span>"
     what = [sweep.model or ""]
