@@ -170,19 +170,12 @@ class _LockedModel(LoadedModel):
         """The app's lock, taken once by a thread however deeply it nests: the teacher's pass
         (:meth:`forward_batch`) runs inside :meth:`base_model`, which already holds it."""
         depth = getattr(self._holding, "depth", 0)
-        if depth:
+        with contextlib.nullcontext() if depth else self._app_lock:
             self._holding.depth = depth + 1
             try:
                 yield
             finally:
                 self._holding.depth = depth
-            return
-        with self._app_lock:
-            self._holding.depth = 1
-            try:
-                yield
-            finally:
-                self._holding.depth = 0
 
     def forward_batch(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102 - every pass's entry, under the lock
         with self._locked():

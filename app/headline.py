@@ -37,12 +37,18 @@ def timing_html() -> str:
 
 
 # ---------------------------------------------------------------------------- speed
+def _as_reported(ratio: float) -> float:
+    """``ratio`` to the 4 decimals the API reports it with: the words read from it are the words a client reading
+    the reported ratio gets."""
+    return round(ratio, 4)
+
+
 def times_text(ratio: float) -> str:
-    """``1.32× faster``, ``2.80× slower`` or ``1.00× (the same speed)``, read from ``ratio`` to the 4 decimals the
-    API reports it with (a client wording the reported ratio gets the same text)."""
+    """``1.32× faster``, ``2.80× slower`` or ``1.00× (the same speed)``, read from ``ratio`` as reported
+    (:func:`_as_reported`)."""
     if not math.isfinite(ratio) or ratio <= 0:
         return "unknown"
-    ratio = round(ratio, 4)
+    ratio = _as_reported(ratio)
     if round(ratio, 2) == 1.0:
         return "1.00× (the same speed)"
     return f"{ratio:.2f}× faster" if ratio > 1 else f"{1 / ratio:.2f}× slower"
@@ -135,7 +141,7 @@ def _sampled_cost(state: TurnState) -> tuple[str, bool]:
 
 def direction(ratio: float) -> int:
     """1 faster, -1 slower, 0 the same speed (as :func:`times_text` words it, to two decimals)."""
-    if not math.isfinite(ratio) or ratio <= 0 or round(round(ratio, 4), 2) == 1.0:
+    if not math.isfinite(ratio) or ratio <= 0 or round(_as_reported(ratio), 2) == 1.0:
         return 0
     return 1 if ratio > 1 else -1
 
@@ -298,7 +304,7 @@ def summary(state: TurnState | None, *, status: str = "", kind: str = "info") ->
     cut = cut_sides(state)
     sp = state.speed
     speed = None if sp is None else {
-        "ratio": round(sp.ratio, 4), "low": None if sp.low is None else round(sp.low, 4),
+        "ratio": _as_reported(sp.ratio), "low": None if sp.low is None else round(sp.low, 4),
         "high": None if sp.high is None else round(sp.high, 4), "pairs": sp.pairs,
         "pass_cost": None if sp.pass_cost is None else round(sp.pass_cost, 4), "raw_ratio": round(sp.raw_ratio, 4),
         "same_length": sp.same_length, "text": times_text(sp.ratio)}

@@ -642,10 +642,10 @@ JS_LONGEST_TITLE_FITS = """async () => {
   const titles = gd._transitionData._frames.map(f => f.layout.title.text);
   const longest = titles.reduce((a, b) => a.length >= b.length ? a : b);
   await Plotly.relayout(gd, {'title.text': longest});  // the longest frame's title, shown as its frame shows it
-  const b = gd.querySelector('.main-svg').getBoundingClientRect(), r = gd.querySelector('.gtitle').getBoundingClientRect();
-  const clear = Array.from(gd.querySelectorAll('.annotation-text')).every(a => { const q = a.getBoundingClientRect();
-    return r.right <= q.left || q.right <= r.left || r.bottom <= q.top || q.bottom <= r.top; });
-  return {text: longest, inside: r.left >= b.left - 0.5 && r.right <= b.right + 0.5 && r.top >= b.top - 0.5, clear};
+  const box = (e) => { const r = e.getBoundingClientRect();
+                       return {text: e.textContent, left: r.left, right: r.right, top: r.top, bottom: r.bottom}; };
+  return {figure: box(gd.querySelector('.main-svg')), title: box(gd.querySelector('.gtitle')),
+          panel_titles: Array.from(gd.querySelectorAll('.annotation-text')).map(box)};
 }"""
 JS_DROPDOWN = """() => {
   const input = document.querySelector('#model-choice input');
@@ -688,8 +688,11 @@ def test_every_mode_at_390_and_1280_px(browser, served, capsys):
                 ticks = pg.evaluate(JS_TICKS)
                 assert ticks and all(t["left"] >= 0 and t["right"] <= t["width"] + 1 for t in ticks), ticks
                 assert not any(t["under"] for t in ticks), ticks
-                title = pg.evaluate(JS_LONGEST_TITLE_FITS)  # "Pass 123 of 123: kept 1 (the next proposal was below
-                assert title["inside"] and title["clear"], title  # tau)", one line, ran past the edge at 390 px
+                found = pg.evaluate(JS_LONGEST_TITLE_FITS)  # "Pass 123 of 123: kept 1 (the next proposal was
+                fig, title = found["figure"], found["title"]  # below tau)", one line, ran past the edge at 390 px
+                assert fig["left"] - 0.5 <= title["left"] and title["right"] <= fig["right"] + 0.5, found
+                assert title["top"] >= fig["top"] - 0.5, found
+                assert not any(overlap(title, panel) for panel in found["panel_titles"]), found
             pg.click("#model-accordion .label-wrap")
             pg.locator("#model-choice input").wait_for(state="visible")
             box = pg.evaluate(JS_DROPDOWN)
