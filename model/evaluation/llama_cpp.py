@@ -35,6 +35,19 @@ def available() -> str | None:
     return None
 
 
+def openmp_caveat(threads: int, environ: "os._Environ[str] | dict[str, str] | None" = None) -> str | None:
+    """The line the report adds when llama.cpp's baseline is handicapped by this process's OpenMP settings, else
+    None. llama.cpp (built with OpenMP, its default) waits between its operations through OpenMP: with
+    ``OMP_WAIT_POLICY=PASSIVE`` (what ``app.py`` and the tests set for torch's sake) its threads sleep between
+    them, which on a 2-core VM halved its greedy decoding at two threads (27 against 60 tokens/s). One thread has no
+    OpenMP team, so nothing to say there. ``environ``: default ``os.environ``."""
+    env = os.environ if environ is None else environ
+    if threads <= 1 or env.get("OMP_WAIT_POLICY", "").strip().lower() != "passive":
+        return None
+    return (f"caution: OMP_WAIT_POLICY=PASSIVE is set, so llama.cpp's OpenMP threads sleep between its operations; "
+            f"at {threads} threads it decodes slower than it can (run the bench without it for llama.cpp's best)")
+
+
 def bf16_gguf(source_gguf: Path, cache_dir: Path | None = None) -> Path:
     """A BF16 GGUF of ``source_gguf`` (any llama.cpp type), written once by ``llama_model_quantize`` with
     ``allow_requantize`` into ``cache_dir`` (default ``$MTP_CACHE_DIR`` or ``~/.cache/mtp-lm``).
@@ -76,7 +89,11 @@ class LlamaCpp:
 
         self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=threads,
                                    n_threads_batch=threads, logits_all=all_logits, verbose=False)
-        self.gguf = gguf
+        self.gguf, self.threads = gguf, threads
+
+    def openmp_caveat(self) -> str | None:
+        """:func:`openmp_caveat` for this instance's thread count and this process's environment."""
+        return openmp_caveat(self.threads)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
         """Greedy new ids (argmax of each step's logits), up to and including the first stop id."""

@@ -246,7 +246,8 @@ def _generations(lm: LoadedModel, plain: LoadedModel, strategies: Sequence[Any],
     return {
         "methods": _method_rows(methods, per, drafts),
         "standard_matches_hf": (std == outputs[HF]) if std is not None else None,
-        "llama_cpp": {"gguf": str(llama.gguf), "tokens_equal_to_standard": _share_equal(outputs[LLAMA], std)}
+        "llama_cpp": {"gguf": str(llama.gguf), "tokens_equal_to_standard": _share_equal(outputs[LLAMA], std),
+                      "caveat": llama.openmp_caveat()}
         if llama is not None else {"note": llama_note},
         "verify_matches_standard": {v: outputs[v] == std for v in verify_specs} if std is not None else {},
     }

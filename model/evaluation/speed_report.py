@@ -32,6 +32,8 @@ def format_table(report: dict) -> str:
     elif lc.get("tokens_equal_to_standard") is not None:
         lines.append(f"llama.cpp ({Path(lc['gguf']).name}) greedy tokens equal to our standard decoding's: "
                      f"{lc['tokens_equal_to_standard']:.1%} of positions")
+    if lc.get("caveat"):
+        lines.append(lc["caveat"])
     for spec, same in report.get("verify_matches_standard", {}).items():
         lines.append(f"{spec} output == standard output (lossless): {same}")
     lines.append("new tokens: generated in one repeat over all prompts; a method that hits a stop token early "

@@ -160,6 +160,20 @@ def test_llama_cpp_baseline_says_why_it_is_skipped(tiny_lm):
     assert rep["llama_cpp"] == {"note": None}
 
 
+def test_llama_cpp_baseline_warns_when_openmp_threads_sleep():
+    """llama.cpp waits between its operations through OpenMP: under OMP_WAIT_POLICY=PASSIVE (which app.py and this
+    suite set) its threads sleep there, so a multi-threaded llama.cpp baseline is slower than it can be and the
+    report must say so. One thread has no OpenMP team: no caveat; nor without the policy."""
+    from model.evaluation.llama_cpp import openmp_caveat
+
+    line = openmp_caveat(2, {"OMP_WAIT_POLICY": "passive"})
+    assert line is not None and "OMP_WAIT_POLICY=PASSIVE" in line and "at 2 threads" in line
+    assert openmp_caveat(4, {"OMP_WAIT_POLICY": " PASSIVE "}) is not None
+    assert openmp_caveat(1, {"OMP_WAIT_POLICY": "PASSIVE"}) is None
+    assert openmp_caveat(2, {"OMP_WAIT_POLICY": "ACTIVE"}) is None
+    assert openmp_caveat(2, {}) is None
+
+
 @pytest.mark.integration
 def test_llama_cpp_greedy_equals_ours_on_the_default_model(smollm2):
     """Where llama-cpp-python is installed: llama.cpp's greedy decoding of a BF16 GGUF of the same weights
