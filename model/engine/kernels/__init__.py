@@ -20,7 +20,8 @@ those and AMX-TILE / AMX-BF16 (the bf16 projections on tiles), and Linux's permi
 path the CPU cannot run is refused with one line naming the missing instructions. Every path is checked once when
 it is loaded (``mtp_selftest``: each row of a wide product has the bits of its one-row product, 2 threads the bits
 of 1, values within 1e-5 of float64, in the weights' layout and the adapter's B layout; the zmm kernel for B has the
-AVX2 kernel's bits); ``auto`` skips a path that fails, saying so in :func:`status`'s reason.
+AVX2 kernel's bits; on the zmm paths each attention score of a block of keys has the bits of that key scored
+alone); ``auto`` skips a path that fails, saying so in :func:`status`'s reason.
 
 ``MTP_AMX_EMULATE=1`` with ``MTP_KERNELS=amx`` builds the AMX path with the tile instructions written out in
 plain C++ (same data movement, per-element order and rounding; shape errors abort): it tests the AMX code on a
@@ -283,7 +284,8 @@ def _open(path: Path) -> ctypes.CDLL:
 
 _SELFTEST_FAILURES = {1: "a row of a wide product differs from its one-row product", 2: "2 threads differ from 1",
                       3: "a product is off the float64 reference", 4: "out of memory",
-                      5: "its adapter-factor kernel differs from the AVX2 kernel's bits"}
+                      5: "its adapter-factor kernel differs from the AVX2 kernel's bits",
+                      6: "an attention score of a block of keys differs from the key's score alone"}
 
 
 def _ready(isa: str, emulate: bool) -> ctypes.CDLL:

@@ -112,6 +112,27 @@ TGT2 static inline __m256 key8(const void* kc, int dtype, int64_t off) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)k)), 16));
 }
 
+// The sums of 16 vectors' lanes at once (a[j]: key j's 16 partial sums), in key order, each in the order
+// _mm512_reduce_add_ps sums one vector (GCC's: lane i + lane i + 8, then i + 4 of those, then i + 2, then the two
+// left), so every score has the bits of the one-key code: 15 shuffle pairs and adds and one permute for 16 keys
+// where each key alone took ~7 instructions.
+TGT512 static inline __m512 reduce_add16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int p = 0; p < 8; p++)  // lanes 0-7: key 2p's lane i + lane i + 8; lanes 8-15: key 2p + 1's
+    b[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
+  for (int p = 0; p < 4; p++)  // quarter r: key 4p + r's i + (i + 4)
+    c[p] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * p], b[2 * p + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * p], b[2 * p + 1], 0xDD));
+  for (int p = 0; p < 2; p++) {  // quarter r: key 8p + r's two sums i + (i + 2), then key 8p + 4 + r's
+    const __m512d x = _mm512_castps_pd(c[2 * p]), y = _mm512_castps_pd(c[2 * p + 1]);
+    d[p] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // quarter r: the scores of keys r, 4 + r, 8 + r, 12 + r; back to key order
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), e);
+}
+
 // Scores of the G queries q[0..G-1] (heads sharing one KV head) with 4 cached keys (offsets off[0..3]), for
 // head_dim a multiple of 8: each key is widened once for the G heads, and each score has dot_kv's bits (its lanes
 // and order, its zero tail step; the 4 horizontal sums run as one transpose: hadd pairs lanes as dot_kv's
@@ -138,8 +159,9 @@ TGT2 static void dot_kv4_heads(const float* const* q, const void* kc, int dtype,
 // Scores of the G queries q[0..G-1] (float32 holding bf16 values: a bf16 model's q is rounded after rotary) with
 // the n cached bf16 keys at element offsets off, head_dim a multiple of 32, into out[g][0..n): AVX512-BF16, the
 // 16 pairs of a zmm multiplied exactly and summed into float32 per lane (vdpbf16ps), then the 16 lanes
-// (_mm512_reduce_add_ps). Every score has one order whatever the key's place (4 keys at a time or one), so a
-// row's scores do not depend on its pass; not dot_kv's bits (a path's own order, as its projections are).
+// (_mm512_reduce_add_ps, or reduce_add16 in its order). Every score has one order whatever the key's place (16,
+// 4 keys at a time or one), so a row's scores do not depend on its pass; not dot_kv's bits (a path's own order,
+// as its projections are).
 template <int G>
 TGT512 static void scores_bf16(const float* const* q, const void* kc, const int64_t* off, int64_t n, int hd,
                                float* const* out) {
@@ -147,6 +169,17 @@ TGT512 static void scores_bf16(const float* const* q, const void* kc, const int6
   for (int g = 0; g < G; g++) to_bf16_row16(q[g], (uint16_t*)q2[g], hd);
   const uint16_t* k = (const uint16_t*)kc;
   int64_t i = 0;
+  for (; i + 16 <= n; i += 16)  // 16 keys a head: one transposed reduction (reduce_add16)
+    for (int g = 0; g < G; g++) {
+      __m512 a[16];
+      for (int j = 0; j < 16; j++) a[j] = _mm512_setzero_ps();
+      for (int d = 0; d < hd; d += 32) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512((const void*)(q2[g] + d / 2));
+        for (int j = 0; j < 16; j++)
+          a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_loadu_si512((const void*)(k + off[i + j] + d)));
+      }
+      _mm512_storeu_ps(out[g] + i, reduce_add16(a));
+    }
   for (; i + 4 <= n; i += 4) {
     __m512 a[G][4];
     for (int g = 0; g < G; g++)

@@ -211,7 +211,8 @@ extern "C" void mtp_pack_weight(const void* src, int32_t src_dtype, int32_t n, i
 // mk_512_bf16w). Returns 0 when every row has the bits of its
 // one-row result, 2 threads the bits of 1, and each element is within 1e-5 (relative to its sum of |products|) of
 // a float64 reference; else 1, 2 or 3 (the check that failed), 4 when the weight could not be allocated, 5 when
-// the zmm kernel for B differs from the AVX2 kernel it stands in for. kernels/__init__.py runs it once per path.
+// the zmm kernel for B differs from the AVX2 kernel it stands in for, 6 when an attention score of a block of keys
+// differs from the key's score alone (selftest_scores). kernels/__init__.py runs it once per path.
 static int32_t selftest_layout(int32_t isa, int layout) {
   const int n = 72, k = 72, TMAX = 20;
   uint32_t seed = 12345u;
@@ -262,8 +263,38 @@ static int32_t selftest_layout(int32_t isa, int layout) {
   return rc;
 }
 
+// Attention scores on the zmm paths (scores_bf16): 3 heads against 37 bf16 keys (two blocks of 16, one of 4, one
+// alone) have, key by key, the bits of each key scored alone. 0, else 6.
+static int32_t selftest_scores() {
+  const int hd = 64, n = 37, G = 3;
+  uint32_t seed = 4242u;
+  float q[G * 64], all[G * 40], one[G];
+  uint16_t keys[n * 64];
+  for (int i = 0; i < G * hd; i++) {
+    seed = seed * 1664525u + 1013904223u;
+    q[i] = round_bf16(((float)(seed >> 8) / (float)(1u << 24)) * 2.0f - 1.0f);
+  }
+  for (int i = 0; i < n * hd; i++) {
+    seed = seed * 1664525u + 1013904223u;
+    keys[i] = f32_to_bf16(((float)(seed >> 8) / (float)(1u << 24)) * 2.0f - 1.0f);
+  }
+  int64_t off[n];
+  for (int i = 0; i < n; i++) off[i] = (int64_t)((i * 7) % n) * hd;  // keys out of cache order, as a tree skips
+  const float* qs[G] = {q, q + hd, q + 2 * hd};
+  float* outs[G] = {all, all + 40, all + 80};
+  scores_bf16<G>(qs, keys, off, n, hd, outs);
+  for (int i = 0; i < n; i++) {
+    float* o1[G] = {one, one + 1, one + 2};
+    scores_bf16<G>(qs, keys, off + i, 1, hd, o1);
+    for (int g = 0; g < G; g++)
+      if (memcmp(&one[g], &outs[g][i], sizeof(float)) != 0) return 6;
+  }
+  return 0;
+}
+
 extern "C" int32_t mtp_selftest(int32_t isa) {
   if (isa == ISA_AVX2) return selftest_layout(isa, LAYOUT_BF16);
+  if (const int32_t rc = selftest_scores()) return rc;
   const int own = pair_layout(isa), other = own == LAYOUT_BF16_TILES ? LAYOUT_BF16_PAIRS : LAYOUT_BF16_TILES;
   const int layouts[] = {own, other, LAYOUT_BF16};
   for (int layout : layouts)
