@@ -77,6 +77,12 @@ def seq_js(n_inputs: int) -> str:
 STOP_JS = "(seq) => String(window.mtpMessageNumber || 0)"
 
 
+#: After Load model: its outcome (under the button) scrolled into view, as little as needed; the button is often
+#: at the bottom of the window when clicked.
+SHOW_LOAD_STATUS_JS = ("() => { const e = document.querySelector('#load-status'); "
+                       "if (e) e.scrollIntoView({block: 'nearest'}); }")
+
+
 def message_number(value: Any) -> int | None:
     """The page's number for a message from its hidden box (:func:`seq_js`; None when absent or not a number, as
     for :data:`REPEAT` or an API call)."""

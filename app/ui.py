@@ -41,7 +41,7 @@ from .requests import (
     QUANTIZATIONS,
     STRATEGY_CHOICES,
 )
-from .scripts import BOX_JS, HEAD, STOP_JS, seq_js
+from .scripts import BOX_JS, HEAD, SHOW_LOAD_STATUS_JS, STOP_JS, seq_js
 from .sessions import SessionRuns
 
 PAPER_URL = "https://arxiv.org/abs/2602.06019"
@@ -205,6 +205,7 @@ def _tradeoff_and_model(page: Page, c: SimpleNamespace) -> None:
                                    info="auto: bf16 where the hardware computes it natively; float32: lossless "
                                         "answers identical to the bit")
             c.load = gr.Button("Load model", scale=1, elem_id="load-model")
+        c.load_status = gr.HTML("", elem_id="load-status", js_on_load=None)  # the outcome, scrolled into view
 
 
 def _measure_text(sweep: Any, n_examples: int) -> str:
@@ -271,12 +272,24 @@ def _wire(page: Page, c: SimpleNamespace) -> None:
     c.measure.click(page.measure, [c.model_key, c.tau, c.k_max, c.strategy, c.shape],
                     [c.tradeoff, c.measure_status, c.measure, c.strategy_help, c.device_note, c.fastest],
                     api_name=False, concurrency_limit=1, concurrency_id="measure", show_progress="full")
-    c.load.click(page.load_model, [c.model_choice, c.local_path, c.quantization, c.precision, c.model_key,
-                                   c.strategy, c.shape, c.tau],
+    c.load.click(_status_beside(page.load_model), [c.model_choice, c.local_path, c.quantization, c.precision,
+                                                    c.model_key, c.strategy, c.shape, c.tau],
                  [c.model_key, c.model_info, c.status, c.k_max, c.device_note, c.fastest, c.strategy_help,
-                  c.tradeoff, c.measure], api_name=False, concurrency_limit=1)
+                  c.tradeoff, c.measure, c.load_status], api_name=False, concurrency_limit=1
+                 ).then(None, js=SHOW_LOAD_STATUS_JS, **quiet)
     c.api_load.click(page.load_model_api, c.api_load_inputs, c.api_load_outputs, api_name="load_model",
                      concurrency_limit=1)
+
+
+def _status_beside(load_model: Any) -> Any:
+    """``Page.load_model`` with its status line (its third output) also under the Load model button: the page's
+    status line is at the top, a screen or two above the button, where a load's outcome went unseen."""
+    def load(choice, local_path, quantization, precision, model_key, strategy_choice, shape_choice, tau_value,
+             request: gr.Request = None):
+        out = load_model(choice, local_path, quantization, precision, model_key, strategy_choice, shape_choice,
+                         tau_value, request)
+        return (*out, out[2])
+    return load
 
 
 def unchecked_slider(lo: float, hi: float, step: float, **kwargs: Any) -> gr.Slider:

@@ -441,6 +441,11 @@ def test_typed_values_are_refused_not_clamped(page):
     page.click("#load-model")
     status = wait_status(page, "Still using smollm2-135m")
     assert "README.md is a file, not a model" in status and "Traceback" not in status
+    # the same words under the button, in view where it was clicked (the status line is screens above it)
+    beside = page.locator("#load-status")
+    assert "README.md is a file, not a model" in beside.inner_text()
+    box, height = beside.bounding_box(), page.viewport_size["height"]
+    assert box is not None and 0 <= box["y"] and box["y"] + box["height"] <= height, (box, height)
 
 
 def test_four_sessions_at_once_get_their_own_answers(browser, served):
