@@ -20,7 +20,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 INSTALL_HINT = ("llama.cpp baseline skipped: llama-cpp-python is not installed (optional; `pip install --no-deps "
                 "llama-cpp-python==0.3.36 diskcache` compiles llama.cpp, 10-30 minutes on 2 cores)")
@@ -35,7 +35,7 @@ def available() -> str | None:
     return None
 
 
-def openmp_caveat(threads: int, environ: "os._Environ[str] | dict[str, str] | None" = None) -> str | None:
+def openmp_caveat(threads: int, environ: Mapping[str, str] | None = None) -> str | None:
     """The line the report adds when llama.cpp's baseline is handicapped by this process's OpenMP settings, else
     None. llama.cpp (built with OpenMP, its default) waits between its operations through OpenMP: with
     ``OMP_WAIT_POLICY=PASSIVE`` (what ``app.py`` and the tests set for torch's sake) its threads sleep between
