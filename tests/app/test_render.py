@@ -283,10 +283,11 @@ def _contrast(a: str, b: str) -> float:
 
 def test_the_headline_details_and_counter_labels_meet_wcag_aa():
     """Small grey text on the page's light backgrounds (white, Gradio's secondary fill #f9fafb, the warning's
-    #fff3e0) has a contrast of at least 4.5:1 (WCAG AA), not Gradio's subdued grey (~2.5:1)."""
+    #fff3e0) has a contrast of at least 4.5:1 (WCAG AA), not Gradio's subdued grey (~2.5:1): the headline's
+    details, the counters' names and the chat pane's note on where the conversation continues."""
     from app import ui
 
-    for selector in (".mtp-speed-details", ".mtp-counter-name"):
+    for selector in (".mtp-speed-details", ".mtp-counter-name", ".mtp-note"):
         body = re.search(r"^" + re.escape(selector) + r" \{([^}]*)\}", ui.CSS, re.M).group(1)
         colour = re.search(r"(?<![-\w])color: (#[0-9a-f]{6})", body).group(1)
         for background in ("#ffffff", "#f9fafb", "#fff3e0"):
