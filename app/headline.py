@@ -304,8 +304,8 @@ def summary(state: TurnState | None, *, status: str = "", kind: str = "info") ->
     cut = cut_sides(state)
     sp = state.speed
     speed = None if sp is None else {
-        "ratio": _as_reported(sp.ratio), "low": None if sp.low is None else round(sp.low, 4),
-        "high": None if sp.high is None else round(sp.high, 4), "pairs": sp.pairs,
+        "ratio": _as_reported(sp.ratio), "low": None if sp.low is None else _as_reported(sp.low),
+        "high": None if sp.high is None else _as_reported(sp.high), "pairs": sp.pairs,
         "pass_cost": None if sp.pass_cost is None else round(sp.pass_cost, 4), "raw_ratio": round(sp.raw_ratio, 4),
         "same_length": sp.same_length, "text": times_text(sp.ratio)}
     q = state.quality

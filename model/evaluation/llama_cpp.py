@@ -91,10 +91,6 @@ class LlamaCpp:
                                    n_threads_batch=threads, logits_all=all_logits, verbose=False)
         self.gguf, self.threads = gguf, threads
 
-    def openmp_caveat(self) -> str | None:
-        """:func:`openmp_caveat` for this instance's thread count and this process's environment."""
-        return openmp_caveat(self.threads)
-
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
         """Greedy new ids (argmax of each step's logits), up to and including the first stop id."""
         import numpy as np

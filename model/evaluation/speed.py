@@ -52,6 +52,7 @@ from ..engine.loading import REPO_ROOT
 from ..engine.sampling import GREEDY, Sampling, for_request
 from ..engine.strategies import check_max_new_tokens, parse_strategies
 from .accuracy import draft_metrics
+from .llama_cpp import openmp_caveat
 from .speed_passes import (pass_bytes, read_bandwidth, row_exactness_report, torch_path_view, weight_bytes,
                            width_curve)
 from .speed_report import format_table
@@ -247,7 +248,7 @@ def _generations(lm: LoadedModel, plain: LoadedModel, strategies: Sequence[Any],
         "methods": _method_rows(methods, per, drafts),
         "standard_matches_hf": (std == outputs[HF]) if std is not None else None,
         "llama_cpp": {"gguf": str(llama.gguf), "tokens_equal_to_standard": _share_equal(outputs[LLAMA], std),
-                      "caveat": llama.openmp_caveat()}
+                      "caveat": openmp_caveat(llama.threads)}
         if llama is not None else {"note": llama_note},
         "verify_matches_standard": {v: outputs[v] == std for v in verify_specs} if std is not None else {},
     }

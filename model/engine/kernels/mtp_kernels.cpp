@@ -204,6 +204,12 @@ extern "C" void mtp_pack_weight(const void* src, int32_t src_dtype, int32_t n, i
 #include "mtp_propose.h"
 
 // ------------------------------------------------------------------------------------------------ self-check
+// The self-checks' inputs: a fixed sequence of values in [-1, 1) (a linear congruential generator).
+static float selftest_uniform(uint32_t* seed) {
+  *seed = *seed * 1664525u + 1013904223u;
+  return ((float)(*seed >> 8) / (float)(1u << 24)) * 2.0f - 1.0f;
+}
+
 // The projection kernels of path isa on a fixed bf16 weight [72, 72] (five column blocks, the last partial; 36
 // pairs: two full AMX tiles and a tail of 4) for T = 1..20 rows (a full tile group and a partial one), on 1 and
 // 2 threads, in each layout the path multiplies: its weights' (AMX: bf16 tiles, AVX512: bf16 pairs, AVX2: bf16),
@@ -216,10 +222,7 @@ extern "C" void mtp_pack_weight(const void* src, int32_t src_dtype, int32_t n, i
 static int32_t selftest_layout(int32_t isa, int layout) {
   const int n = 72, k = 72, TMAX = 20;
   uint32_t seed = 12345u;
-  auto next_bf16 = [&]() {
-    seed = seed * 1664525u + 1013904223u;
-    return round_bf16(((float)(seed >> 8) / (float)(1u << 24)) * 2.0f - 1.0f);
-  };
+  auto next_bf16 = [&]() { return round_bf16(selftest_uniform(&seed)); };
   float w[72 * 72], x[20 * 72], y[20 * 72], y1[72], y2[20 * 72];  // 38 KB of stack
   uint16_t w16[72 * 72];
   for (int i = 0; i < n * k; i++) { w[i] = next_bf16(); w16[i] = f32_to_bf16(w[i]); }
@@ -270,14 +273,8 @@ static int32_t selftest_scores() {
   uint32_t seed = 4242u;
   float q[G * 64], all[G * 40], one[G];
   uint16_t keys[n * 64];
-  for (int i = 0; i < G * hd; i++) {
-    seed = seed * 1664525u + 1013904223u;
-    q[i] = round_bf16(((float)(seed >> 8) / (float)(1u << 24)) * 2.0f - 1.0f);
-  }
-  for (int i = 0; i < n * hd; i++) {
-    seed = seed * 1664525u + 1013904223u;
-    keys[i] = f32_to_bf16(((float)(seed >> 8) / (float)(1u << 24)) * 2.0f - 1.0f);
-  }
+  for (int i = 0; i < G * hd; i++) q[i] = round_bf16(selftest_uniform(&seed));
+  for (int i = 0; i < n * hd; i++) keys[i] = f32_to_bf16(selftest_uniform(&seed));
   int64_t off[n];
   for (int i = 0; i < n; i++) off[i] = (int64_t)((i * 7) % n) * hd;  // keys out of cache order, as a tree skips
   const float* qs[G] = {q, q + hd, q + 2 * hd};
