@@ -79,7 +79,10 @@ TGT512 static void emu_dpbf16ps(int tc, int ta, int tb) {
 #define MTP_AMX_BUILT 1
 #elif (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
 // GCC's tileloadd is an asm statement that does not tell the compiler it reads memory: a compiler barrier first.
-#define AMX_CONFIG(c) _tile_loadconfig(c)
+// GCC's _tile_loadconfig (12.2) tells it that ldtilecfg reads 8 of the configuration's 64 bytes, so it may drop
+// the stores of the rows and column widths: a variant of amx_configure that set them conditionally ran into
+// tilezero unconfigured (SIGILL). Our ldtilecfg names the whole structure as its operand.
+#define AMX_CONFIG(c) __asm__ volatile("ldtilecfg %0" ::"m"(*(const TileConfig*)(c)))
 #define AMX_RELEASE() _tile_release()
 #define AMX_ZERO(t) _tile_zero(t)
 #define AMX_LOAD(t, p, s)                \
