@@ -41,7 +41,7 @@ from .loaded_model import LoadedModel
 from .acceptance import Acceptance, accept_drafts, cut_broken_utf8
 from .phases import (PassLayout, check_context_budget, check_finite, commit, cut_at_stop_string, lay_out, propose, sync,
                      trim)
-from .records import DraftCheck, GenerationResult, PassRecord, acceptance_by_position  # noqa: F401
+from .records import DraftCheck, DraftTally, GenerationResult, PassRecord, acceptance_by_position  # noqa: F401
 from .sampling import GREEDY, Sampling, TokenSampler, model_distribution
 from .strategies import Strategy, check_max_new_tokens
 from .text import open_utf8_bytes, text_bytes
@@ -105,6 +105,8 @@ class Decoder:
         self.drafts: list[int] = []
         self.generated: list[int] = []
         self.passes: list[PassRecord] = []
+        #: this generation's drafts proposed and accepted by position so far (verify:auto chooses its layout by them)
+        self.drafts_seen = DraftTally()
         self.done = False
         self._text = ""
         self._stop = set(lm.stop_token_ids)
@@ -219,8 +221,8 @@ class Decoder:
             from .width import auto_width
 
             self.width = auto_width(self.lm)
-        with_drafts = sum(1 for p in self.passes if p.counted_drafts[0])
-        acc = self.width.acceptance_for(acceptance_by_position(self.passes), with_drafts)
+        seen = self.drafts_seen
+        acc = self.width.acceptance_for(seen.by_position(), seen.passes_with_drafts)
         k, blocks = self.width.choose(strategy.k_max, self.other_rows, acc, self.other_tokens)
         return strategy.at(k, blocks)
 
@@ -268,6 +270,7 @@ class Decoder:
         self.draft_probs = None if self.done else acc.next_draft_probs
         rec = self._record(layout, drafts, greedy, conf, acc, kept, reason, stopped, seconds)
         self.passes.append(rec)
+        self.drafts_seen.add(rec)
         return rec
 
     def _record(self, layout: PassLayout, drafts: Sequence[int], greedy: Sequence[int], conf: Sequence[float],
@@ -275,7 +278,7 @@ class Decoder:
         """The pass's :class:`PassRecord`. ``proposals`` are the model's token after the last fed draft and
         the proposals of the block that follows it (the whole block for block strategies); ``verification`` is the
         strategy's :meth:`~model.engine.strategies.Strategy.draft_check`."""
-        decode = self.lm.tokenizer.decode
+        decode = self.lm.decode_ids
         d, m = layout.drafts, layout.masks_per_block
         blocks = [list(greedy[d + 1 + i * m : d + 1 + (i + 1) * m]) for i in range(len(layout.blocks))]
         block_conf = [list(conf[d + 1 + i * m : d + 1 + (i + 1) * m]) for i in range(len(layout.blocks))]

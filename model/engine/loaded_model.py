@@ -115,8 +115,20 @@ class LoadedModel:
     context_limit: int | None = None
     checkpoint_dir: Any = None
     _token_bytes: Any = field(default=None, repr=False, compare=False)
+    _token_texts: dict = field(default_factory=dict, repr=False, compare=False)
     # Shared by dataclasses.replace() copies of this object (same model, same inference structures).
     _fast: "_FastState" = field(default_factory=lambda: _FastState(), repr=False, compare=False)
+
+    def decode_ids(self, ids: Sequence[int]) -> str:
+        """``tokenizer.decode(ids)``; a single id's text is cached (a verify pass's record decodes a dozen single
+        tokens: its proposals, drafts and blocks)."""
+        if len(ids) != 1:
+            return self.tokenizer.decode(list(ids))
+        t = int(ids[0])
+        text = self._token_texts.get(t)
+        if text is None:
+            text = self._token_texts[t] = self.tokenizer.decode([t])
+        return text
 
     @property
     def token_bytes(self) -> Any:

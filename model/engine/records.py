@@ -207,17 +207,40 @@ class GenerationResult:
         }
 
 
+class DraftTally:
+    """Drafts proposed and accepted by draft position, pass by pass (:attr:`PassRecord.counted_drafts`): what
+    :func:`acceptance_by_position` reports, kept up to date as passes are added (a decoder asks for it before
+    every ``verify:auto`` pass: counting from the first pass each time grew with the answer).
+
+    Attributes:
+        proposed / accepted: per draft position j = 1, 2, ...: passes that proposed draft j / that accepted it.
+        passes_with_drafts: passes that proposed at least one draft.
+    """
+
+    def __init__(self, passes: Sequence[PassRecord] = ()):
+        self.proposed: list[int] = []
+        self.accepted: list[int] = []
+        self.passes_with_drafts = 0
+        for p in passes:
+            self.add(p)
+
+    def add(self, p: PassRecord) -> None:
+        """Count one pass's drafts."""
+        n, a = p.counted_drafts
+        while len(self.proposed) < n:
+            self.proposed.append(0)
+            self.accepted.append(0)
+        for j in range(n):
+            self.proposed[j] += 1
+            self.accepted[j] += int(j < a)
+        self.passes_with_drafts += int(n > 0)
+
+    def by_position(self) -> list[float | None]:
+        """Accepted / proposed per draft position, None where no draft was proposed."""
+        return [a / n if n else None for a, n in zip(self.accepted, self.proposed)]
+
+
 def acceptance_by_position(passes: Sequence[PassRecord]) -> list[float | None]:
     """Per draft position j = 1, 2, ...: accepted / proposed over ``passes`` (:attr:`PassRecord.counted_drafts`:
     nothing past the end of an answer), None where no draft was proposed."""
-    proposed: list[int] = []
-    accepted: list[int] = []
-    for p in passes:
-        n, a = p.counted_drafts
-        while len(proposed) < n:
-            proposed.append(0)
-            accepted.append(0)
-        for j in range(n):
-            proposed[j] += 1
-            accepted[j] += int(j < a)
-    return [a / n if n else None for a, n in zip(accepted, proposed)]
+    return DraftTally(passes).by_position()

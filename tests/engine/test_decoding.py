@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from model.engine.decoding import Decoder, cut_broken_utf8, generate, hf_generate, run
+from model.engine.decoding import Decoder, acceptance_by_position, cut_broken_utf8, generate, hf_generate, run
 from model.engine.loading import wrap_model
 from model.engine.strategies import confadapt, standard, static_k, verify
 from model.engine.text import open_utf8_bytes
@@ -427,8 +427,9 @@ def test_verify_equals_standard_on_the_default_model_float32(smollm2_adapter, pr
     ids = lm.prompt_ids(prompt)
     ref = run(lm, ids, standard(), 64)
     dec = Decoder(lm, ids, verify(lm.default_k_max), 64)
-    for _ in dec:
-        pass
+    for _ in dec:  # the running tally verify:auto decides by is the whole record's, pass by pass
+        assert dec.drafts_seen.by_position() == acceptance_by_position(dec.passes)
+    assert dec.drafts_seen.passes_with_drafts == sum(1 for p in dec.passes if p.counted_drafts[0]) > 0
     assert dec.generated == ref.token_ids
     assert dec.result().forward_passes <= ref.forward_passes
     with lm.base_model():

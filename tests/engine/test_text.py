@@ -79,3 +79,14 @@ def test_utf8_helpers():
     assert open_utf8_bytes("🎉".encode()[:1]) == 3 and open_utf8_bytes(b"abc") == 0
     assert continues_utf8(1, b"\xa1\x22") and not continues_utf8(1, b'"') and not continues_utf8(0, b"\x81")
     assert continues_utf8(0, b"") and not continues_utf8(2, b"")
+
+
+def test_decode_ids_is_the_tokenizers_decode(tiny_lm):
+    """``LoadedModel.decode_ids``: the tokenizer's text for every single id (cached) and for several ids, the mask
+    token and non-ASCII text included."""
+    tok = tiny_lm.tokenizer
+    ids = tok.encode("Café — naïve 🙂 text", add_special_tokens=False) + [tiny_lm.mask_token_id, 0]
+    for _ in range(2):  # the second round reads the cache
+        assert [tiny_lm.decode_ids([t]) for t in ids] == [tok.decode([t]) for t in ids]
+    assert tiny_lm.decode_ids(ids) == tok.decode(ids)
+    assert tiny_lm.decode_ids([]) == ""
