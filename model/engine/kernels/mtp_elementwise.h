@@ -162,6 +162,20 @@ TGT2 static void dot_kv4_heads(const float* const* q, const void* kc, int dtype,
 // (_mm512_reduce_add_ps, or reduce_add16 in its order). Every score has one order whatever the key's place (16,
 // 4 keys at a time or one), so a row's scores do not depend on its pass; not dot_kv's bits (a path's own order,
 // as its projections are).
+// scores_bf16's 16-key step for head_dim 64 and 16 consecutive keys from k: the same instructions, the keys
+// addressed from one pointer (no offset loaded per key, head and half).
+template <int G>
+TGT512 static inline void scores16_hd64(const uint32_t (*q2)[256], const uint16_t* k, float* const* out, int64_t i) {
+  for (int g = 0; g < G; g++) {
+    __m512 a[16];
+    for (int j = 0; j < 16; j++) a[j] = _mm512_setzero_ps();
+    for (int d = 0; d < 64; d += 32) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512((const void*)(q2[g] + d / 2));
+      for (int j = 0; j < 16; j++) a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_loadu_si512((const void*)(k + j * 64 + d)));
+    }
+    _mm512_storeu_ps(out[g] + i, reduce_add16(a));
+  }
+}
 template <int G>
 TGT512 static void scores_bf16(const float* const* q, const void* kc, const int64_t* off, int64_t n, int hd,
                                float* const* out) {
@@ -169,7 +183,11 @@ TGT512 static void scores_bf16(const float* const* q, const void* kc, const int6
   for (int g = 0; g < G; g++) to_bf16_row16(q[g], (uint16_t*)q2[g], hd);
   const uint16_t* k = (const uint16_t*)kc;
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16)  // 16 keys a head: one transposed reduction (reduce_add16)
+  for (; i + 16 <= n; i += 16) {  // 16 keys a head: one transposed reduction (reduce_add16)
+    if (hd == 64 && off[i + 15] - off[i] == 15 * 64) {  // 16 keys one after another (the cache before this pass)
+      scores16_hd64<G>(q2, k + off[i], out, i);
+      continue;
+    }
     for (int g = 0; g < G; g++) {
       __m512 a[16];
       for (int j = 0; j < 16; j++) a[j] = _mm512_setzero_ps();
@@ -180,6 +198,7 @@ TGT512 static void scores_bf16(const float* const* q, const void* kc, const int6
       }
       _mm512_storeu_ps(out[g] + i, reduce_add16(a));
     }
+  }
   for (; i + 4 <= n; i += 4) {
     __m512 a[G][4];
     for (int g = 0; g < G; g++)

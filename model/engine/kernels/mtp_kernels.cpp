@@ -266,8 +266,9 @@ static int32_t selftest_layout(int32_t isa, int layout) {
   return rc;
 }
 
-// Attention scores on the zmm paths (scores_bf16): 3 heads against 37 bf16 keys (two blocks of 16, one of 4, one
-// alone) have, key by key, the bits of each key scored alone. 0, else 6.
+// Attention scores on the zmm paths (scores_bf16): 3 heads against 37 bf16 keys, out of cache order and in it (two
+// blocks of 16, consecutive ones through scores16_hd64, one of 4, one alone) have, key by key, the bits of each
+// key scored alone. 0, else 6.
 static int32_t selftest_scores() {
   const int hd = 64, n = 37, G = 3;
   uint32_t seed = 4242u;
@@ -276,15 +277,17 @@ static int32_t selftest_scores() {
   for (int i = 0; i < G * hd; i++) q[i] = round_bf16(selftest_uniform(&seed));
   for (int i = 0; i < n * hd; i++) keys[i] = f32_to_bf16(selftest_uniform(&seed));
   int64_t off[n];
-  for (int i = 0; i < n; i++) off[i] = (int64_t)((i * 7) % n) * hd;  // keys out of cache order, as a tree skips
   const float* qs[G] = {q, q + hd, q + 2 * hd};
   float* outs[G] = {all, all + 40, all + 80};
-  scores_bf16<G>(qs, keys, off, n, hd, outs);
-  for (int i = 0; i < n; i++) {
-    float* o1[G] = {one, one + 1, one + 2};
-    scores_bf16<G>(qs, keys, off + i, 1, hd, o1);
-    for (int g = 0; g < G; g++)
-      if (memcmp(&one[g], &outs[g][i], sizeof(float)) != 0) return 6;
+  for (int stride : {7, 1}) {  // keys out of cache order, as a tree skips; then in order (scores16_hd64)
+    for (int i = 0; i < n; i++) off[i] = (int64_t)((i * stride) % n) * hd;
+    scores_bf16<G>(qs, keys, off, n, hd, outs);
+    for (int i = 0; i < n; i++) {
+      float* o1[G] = {one, one + 1, one + 2};
+      scores_bf16<G>(qs, keys, off + i, 1, hd, o1);
+      for (int g = 0; g < G; g++)
+        if (memcmp(&one[g], &outs[g][i], sizeof(float)) != 0) return 6;
+    }
   }
   return 0;
 }
