@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"tokens per pass for the width curve ('' to skip it; default: "
                         f"{','.join(map(str, DEFAULT_WIDTHS))})")
     p.add_argument("--width-repeats", type=int, default=15, help="passes timed per width (default: 15)")
+    p.add_argument("--width-context", type=int, default=0,
+                   help="tokens cached before the width curve's passes, e.g. 1000 (default: its prompt once, ~69 "
+                        "tokens): at a long cache attention weighs against the weights' read")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the 1 GiB bandwidth measurement")
     p.add_argument("--no-llama-cpp", action="store_true",
                    help="skip the llama.cpp baseline (run only when llama-cpp-python is installed)")
@@ -100,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             value = getattr(args, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be ≥ 1, got {value}.")
+        if args.width_context < 0:
+            raise ValueError(f"--width-context must be ≥ 0, got {args.width_context}.")
         levels = _widths(args.concurrency, "--concurrency") if args.concurrency else None
         if levels is not None and (not levels or any(n < 1 for n in levels)):
             raise ValueError(f"--concurrency must be positive integers, got {args.concurrency!r}.")
@@ -150,9 +155,13 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(dumps_strict(report))
         return 0
-    report = bench(lm, prompts, strategies, repeats=args.repeats, max_new_tokens=args.max_new_tokens,
-                   widths=widths, width_repeats=args.width_repeats, measure_bandwidth=not args.no_bandwidth,
-                   llama_cpp=not args.no_llama_cpp, sampling=sampling)
+    try:
+        report = bench(lm, prompts, strategies, repeats=args.repeats, max_new_tokens=args.max_new_tokens,
+                       widths=widths, width_repeats=args.width_repeats, width_context=args.width_context,
+                       measure_bandwidth=not args.no_bandwidth, llama_cpp=not args.no_llama_cpp, sampling=sampling)
+    except ValueError as e:  # a width context longer than the model's positions
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(format_table(report))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -355,7 +355,7 @@ def test_cli_two_gsm8k_problems_default_model(tmp_path, capsys):
                                   ["--widths", "1,x"], ["--widths", "0"], ["--prompts", "0"],
                                   ["--data", "/no/such/file.jsonl"], ["--concurrency", "2", "--arrivals", "late"],
                                   ["--concurrency", "2", "--max-rows", "0"],
-                                  ["--concurrency", "2", "--concurrency-repeats", "0"]])
+                                  ["--concurrency", "2", "--concurrency-repeats", "0"], ["--width-context", "-1"]])
 def test_bench_cli_bad_input(args, capsys):
     assert bench_cli.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -46,7 +46,7 @@ from typing import Any, Sequence
 import torch
 
 from ..engine.decoding import hf_generate, run, sync
-from ..engine.width import DEFAULT_WIDTHS, WIDTH_PROMPT
+from ..engine.width import DEFAULT_WIDTHS
 from ..engine.loaded_model import LoadedModel
 from ..engine.loading import REPO_ROOT
 from ..engine.sampling import GREEDY, Sampling, for_request
@@ -54,7 +54,7 @@ from ..engine.strategies import check_max_new_tokens, parse_strategies
 from .accuracy import draft_metrics
 from .llama_cpp import openmp_caveat
 from .speed_passes import (pass_bytes, read_bandwidth, row_exactness_report, torch_path_view, weight_bytes,
-                           width_curve)
+                           width_curve, width_prompt)
 from .speed_report import format_table
 
 __all__ = ["HF", "LLAMA", "DEFAULT_DATA", "DEFAULT_STRATEGIES", "DEFAULT_WIDTHS", "bench", "run_one", "plain_base",
@@ -143,6 +143,7 @@ def bench(
     warmup: bool = True,
     widths: Sequence[int] = DEFAULT_WIDTHS,
     width_repeats: int = 15,
+    width_context: int = 0,
     measure_bandwidth: bool = True,
     plain: LoadedModel | None = None,
     llama_cpp: bool = True,
@@ -160,6 +161,8 @@ def bench(
         warmup: one untimed generation per method first.
         widths: tokens per pass of the width curve (empty: no curve).
         width_repeats: timed passes per width and method (median).
+        width_context: tokens cached before the width curve's passes (:func:`width_prompt`; 0: its prompt once,
+            ~69 tokens with SmolLM2's chat template).
         measure_bandwidth: measure the device's memory bandwidth (1 GiB).
         plain: the plain base for HF ``generate`` (default :func:`plain_base` of ``lm``).
         llama_cpp: add llama.cpp greedy decoding of the same weights as a second baseline, and its width
@@ -175,9 +178,10 @@ def bench(
         "standard_matches_hf", "verify_matches_standard", "width", "bandwidth", "row_exactness", "kernels"}``.
 
     Raises:
-        ValueError: no prompts, repeats < 1, bad max_new_tokens, strategy or width.
+        ValueError: no prompts, repeats < 1, bad max_new_tokens, strategy, width or width context.
     """
     _check_bench_args(prompts, repeats, max_new_tokens, widths)
+    prompt = width_prompt(lm, width_context)  # before any timing: a bad context is refused at once
     load_before = _loadavg()
     strategies = parse_strategies(strategy_specs, lm.default_k_max)
     plain = plain if plain is not None else plain_base(lm)
@@ -188,10 +192,10 @@ def bench(
         llama, llama_note = llama_cpp_baseline(lm, torch.get_num_threads()) if llama_cpp else (None, None)
     generations = _generations(lm, plain, strategies, prompts, llama, llama_note, repeats=repeats,
                                max_new_tokens=max_new_tokens, warmup=warmup, sampling=sampling)
-    width = width_curve(lm, plain, widths, width_repeats, before=torch_path_view(lm)) if widths else None
+    width = width_curve(lm, plain, widths, width_repeats, prompt=prompt, before=torch_path_view(lm)) if widths else None
     exactness = row_exactness_report(lm, [w for w in widths if w >= 2] or (2, 4, 8, 16))
     if width is not None and llama is not None:
-        width["rows"].append(_llama_width_row(lm, llama, width, width_repeats))
+        width["rows"].append(_llama_width_row(lm, llama, width, width_repeats, prompt))
     if llama is not None:
         llama.close()
     nbytes = pass_bytes(plain.model)
@@ -278,13 +282,14 @@ def _method_rows(methods: Sequence[tuple[str, Any]], per: dict[str, list[dict]],
     return rows
 
 
-def _llama_width_row(lm: LoadedModel, llama: Any, width: dict, repeats: int) -> dict:
-    """llama.cpp's row of the width curve ``width`` (:func:`width_curve`): its call over T tokens with all logits,
-    on a second instance of ``llama``'s GGUF, ``repeats`` times per width; ratios to our 1-token base pass."""
+def _llama_width_row(lm: LoadedModel, llama: Any, width: dict, repeats: int, prompt: str) -> dict:
+    """llama.cpp's row of the width curve ``width`` (:func:`width_curve` over ``prompt``): its call over T tokens
+    with all logits, on a second instance of ``llama``'s GGUF, ``repeats`` times per width; ratios to our 1-token
+    base pass."""
     from .llama_cpp import LlamaCpp
 
     wide = LlamaCpp(llama.gguf, threads=torch.get_num_threads(), all_logits=True)
-    ms = wide.pass_ms(lm.prompt_ids(WIDTH_PROMPT), width["widths"], repeats)
+    ms = wide.pass_ms(lm.prompt_ids(prompt), width["widths"], repeats)
     wide.close()
     ref = next((r["ms"][0] for r in width["rows"] if r["name"] == "ours_base"), None)
     return {"name": LLAMA, "label": "llama.cpp, BF16 GGUF (T real tokens)", "ms": ms,

@@ -140,6 +140,25 @@ class _WorkerThread:
         self._thread.join()
 
 
+def width_prompt(lm: LoadedModel, context_tokens: int = 0) -> str:
+    """The prompt the width curve caches before its passes: :data:`~model.engine.width.WIDTH_PROMPT`, repeated until
+    ``lm`` tokenizes it into at least ``context_tokens`` tokens (0: once). A longer cache weighs attention, which
+    reads every cached key and value per query row, against the weights' read.
+
+    Raises:
+        ValueError: ``context_tokens`` negative, or more than the model's positions leave for a 64-token pass.
+    """
+    limit = lm.max_positions
+    if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) or context_tokens < 0 or (
+            limit is not None and context_tokens > limit - 64):
+        most = "" if limit is None else f" and at most {limit - 64} (this model's {limit} positions less a 64-token pass)"
+        raise ValueError(f"the width curve's context must be an integer >= 0{most}, got {context_tokens!r}.")
+    prompt = WIDTH_PROMPT
+    while len(lm.prompt_ids(prompt)) < context_tokens:
+        prompt += " " + WIDTH_PROMPT
+    return prompt
+
+
 def width_curve(lm: LoadedModel, plain: LoadedModel, widths: Sequence[int] = DEFAULT_WIDTHS, repeats: int = 15,
                 prompt: str = WIDTH_PROMPT, before: LoadedModel | None = None) -> dict:
     """Milliseconds per forward pass by tokens fed, over a cached prompt (see the module docstring).

@@ -194,3 +194,18 @@ def test_llama_cpp_greedy_equals_ours_on_the_default_model(smollm2):
         assert len(ll.pass_ms(ids, (1, 4), repeats=1)) == 2
     finally:
         ll.close()
+
+
+def test_width_curve_over_a_longer_cache(tiny_lm):
+    """``width_context``: the width curve's passes follow a cache of at least that many tokens (the prompt repeated),
+    reported in the table; a context the model's positions cannot hold is refused before any timing."""
+    from model.evaluation.speed_passes import width_prompt
+
+    assert len(tiny_lm.prompt_ids(width_prompt(tiny_lm, 0))) < 300
+    rep = bench(tiny_lm, ["Hi"], "standard", repeats=1, max_new_tokens=3, widths=(1, 4), width_repeats=1,
+                width_context=300, measure_bandwidth=False, llama_cpp=False)
+    assert 300 <= rep["width"]["context_tokens"] < 400
+    assert f"cache of {rep['width']['context_tokens']} tokens" in format_table(rep)
+    for bad in (-1, 2048 - 63, 1.5, True):
+        with pytest.raises(ValueError, match="width curve's context"):
+            bench(tiny_lm, ["Hi"], "standard", repeats=1, max_new_tokens=3, widths=(1,), width_context=bad)
