@@ -288,8 +288,10 @@ def _llama_width_row(lm: LoadedModel, llama: Any, width: dict, repeats: int, pro
     base pass."""
     from .llama_cpp import LlamaCpp
 
-    wide = LlamaCpp(llama.gguf, threads=torch.get_num_threads(), all_logits=True)
-    ms = wide.pass_ms(lm.prompt_ids(prompt), width["widths"], repeats)
+    ids = lm.prompt_ids(prompt)
+    wide = LlamaCpp(llama.gguf, threads=torch.get_num_threads(), all_logits=True,
+                    n_ctx=max(2048, len(ids) + max(width["widths"]) + 16))
+    ms = wide.pass_ms(ids, width["widths"], repeats)
     wide.close()
     ref = next((r["ms"][0] for r in width["rows"] if r["name"] == "ours_base"), None)
     return {"name": LLAMA, "label": "llama.cpp, BF16 GGUF (T real tokens)", "ms": ms,

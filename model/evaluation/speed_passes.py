@@ -142,20 +142,24 @@ class _WorkerThread:
 
 def width_prompt(lm: LoadedModel, context_tokens: int = 0) -> str:
     """The prompt the width curve caches before its passes: :data:`~model.engine.width.WIDTH_PROMPT`, repeated until
-    ``lm`` tokenizes it into at least ``context_tokens`` tokens (0: once). A longer cache weighs attention, which
-    reads every cached key and value per query row, against the weights' read.
+    ``lm`` tokenizes it into at least ``context_tokens`` tokens (0: once; at most one repetition more). A longer
+    cache weighs attention, which reads every cached key and value per query row, against the weights' read.
 
     Raises:
-        ValueError: ``context_tokens`` negative, or more than the model's positions leave for a 64-token pass.
+        ValueError: ``context_tokens`` not an integer >= 0, or more than the model's positions leave for the
+            prompt's last repetition and a 64-token pass.
     """
-    limit = lm.max_positions
+    once, twice = len(lm.prompt_ids(WIDTH_PROMPT)), len(lm.prompt_ids(WIDTH_PROMPT + " " + WIDTH_PROMPT))
+    step, limit = max(1, twice - once), lm.max_positions
+    most = None if limit is None else limit - 64 - step
     if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) or context_tokens < 0 or (
-            limit is not None and context_tokens > limit - 64):
-        most = "" if limit is None else f" and at most {limit - 64} (this model's {limit} positions less a 64-token pass)"
-        raise ValueError(f"the width curve's context must be an integer >= 0{most}, got {context_tokens!r}.")
-    prompt = WIDTH_PROMPT
-    while len(lm.prompt_ids(prompt)) < context_tokens:
-        prompt += " " + WIDTH_PROMPT
+            most is not None and context_tokens > most):
+        bound = "" if most is None else (f" and at most {most} (this model's {limit} positions less a 64-token "
+                                         f"pass and one more repetition of the prompt)")
+        raise ValueError(f"the width curve's context must be an integer >= 0{bound}, got {context_tokens!r}.")
+    repeats = 1 + max(0, -(-(context_tokens - once) // step))  # from the tokens one more repetition adds
+    while len(lm.prompt_ids(prompt := " ".join([WIDTH_PROMPT] * repeats))) < context_tokens:
+        repeats += 1
     return prompt
 
 

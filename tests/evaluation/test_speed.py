@@ -206,6 +206,6 @@ def test_width_curve_over_a_longer_cache(tiny_lm):
                 width_context=300, measure_bandwidth=False, llama_cpp=False)
     assert 300 <= rep["width"]["context_tokens"] < 400
     assert f"cache of {rep['width']['context_tokens']} tokens" in format_table(rep)
-    for bad in (-1, 2048 - 63, 1.5, True):
+    for bad in (-1, 2048 - 64, 1.5, True):
         with pytest.raises(ValueError, match="width curve's context"):
             bench(tiny_lm, ["Hi"], "standard", repeats=1, max_new_tokens=3, widths=(1,), width_context=bad)

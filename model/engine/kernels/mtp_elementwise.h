@@ -156,12 +156,6 @@ TGT2 static void dot_kv4_heads(const float* const* q, const void* kc, int dtype,
   }
 }
 
-// Scores of the G queries q[0..G-1] (float32 holding bf16 values: a bf16 model's q is rounded after rotary) with
-// the n cached bf16 keys at element offsets off, head_dim a multiple of 32, into out[g][0..n): AVX512-BF16, the
-// 16 pairs of a zmm multiplied exactly and summed into float32 per lane (vdpbf16ps), then the 16 lanes
-// (_mm512_reduce_add_ps, or reduce_add16 in its order). Every score has one order whatever the key's place (16,
-// 4 keys at a time or one), so a row's scores do not depend on its pass; not dot_kv's bits (a path's own order,
-// as its projections are).
 // scores_bf16's 16-key step for head_dim 64 and 16 consecutive keys from k: the same instructions, the keys
 // addressed from one pointer (no offset loaded per key, head and half).
 template <int G>
@@ -171,11 +165,19 @@ TGT512 static inline void scores16_hd64(const uint32_t (*q2)[256], const uint16_
     for (int j = 0; j < 16; j++) a[j] = _mm512_setzero_ps();
     for (int d = 0; d < 64; d += 32) {
       const __m512bh qv = (__m512bh)_mm512_loadu_si512((const void*)(q2[g] + d / 2));
-      for (int j = 0; j < 16; j++) a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_loadu_si512((const void*)(k + j * 64 + d)));
+      for (int j = 0; j < 16; j++)
+        a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_loadu_si512((const void*)(k + j * 64 + d)));
     }
     _mm512_storeu_ps(out[g] + i, reduce_add16(a));
   }
 }
+
+// Scores of the G queries q[0..G-1] (float32 holding bf16 values: a bf16 model's q is rounded after rotary) with
+// the n cached bf16 keys at element offsets off, head_dim a multiple of 32, into out[g][0..n): AVX512-BF16, the
+// 16 pairs of a zmm multiplied exactly and summed into float32 per lane (vdpbf16ps), then the 16 lanes
+// (_mm512_reduce_add_ps, or reduce_add16 in its order). Every score has one order whatever the key's place (16,
+// 4 keys at a time or one), so a row's scores do not depend on its pass; not dot_kv's bits (a path's own order,
+// as its projections are).
 template <int G>
 TGT512 static void scores_bf16(const float* const* q, const void* kc, const int64_t* off, int64_t n, int hd,
                                float* const* out) {
