@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{','.join(map(str, DEFAULT_WIDTHS))})")
     p.add_argument("--width-repeats", type=int, default=15, help="passes timed per width (default: 15)")
     p.add_argument("--width-context", type=int, default=0,
-                   help="tokens cached before the width curve's passes, e.g. 1000 (default: its prompt once, ~69 "
-                        "tokens): at a long cache attention weighs against the weights' read")
+                   help="at least this many tokens cached before the width curve's passes (its prompt repeated; "
+                        "e.g. 1000; default: the prompt once, ~69 tokens): at a long cache attention weighs "
+                        "against the weights' read")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the 1 GiB bandwidth measurement")
     p.add_argument("--no-llama-cpp", action="store_true",
                    help="skip the llama.cpp baseline (run only when llama-cpp-python is installed)")

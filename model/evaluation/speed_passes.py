@@ -156,7 +156,7 @@ def width_prompt(lm: LoadedModel, context_tokens: int = 0) -> str:
             most is not None and context_tokens > most):
         bound = "" if most is None else (f" and at most {most} (this model's {limit} positions less a 64-token "
                                          f"pass and one more repetition of the prompt)")
-        raise ValueError(f"the width curve's context must be an integer >= 0{bound}, got {context_tokens!r}.")
+        raise ValueError(f"the width curve's context must be an integer ≥ 0{bound}, got {context_tokens!r}.")
     repeats = 1 + max(0, -(-(context_tokens - once) // step))  # from the tokens one more repetition adds
     while len(lm.prompt_ids(prompt := " ".join([WIDTH_PROMPT] * repeats))) < context_tokens:
         repeats += 1

@@ -12,13 +12,14 @@ from ..engine.sampling import Sampling
 def format_table(report: dict) -> str:
     """The report as plain-text tables (tokens/s per method; width curve; bandwidth)."""
     c = report["config"]
-    head = f"{'method':<34} {'tokens/s':>9} {'x HF':>6} {'eff. k':>7} {'passes/s':>9} {'new tokens':>10}"
+    lw = max([34] + [len(r["label"]) for r in report["methods"]])  # the widest label sets the first column
+    head = f"{'method':<{lw}} {'tokens/s':>9} {'x HF':>6} {'eff. k':>7} {'passes/s':>9} {'new tokens':>10}"
     lines = [head, "-" * len(head)]
     for r in report["methods"]:
         drafts = "" if r.get("draft_acceptance_rate") is None else (
             f"  drafts accepted {r['draft_acceptance_rate']:.2f} (by position "
             + " / ".join(f"{x:.2f}" for x in r["acceptance_by_position"]) + ")")
-        lines.append(f"{r['label']:<34} {r['tokens_per_second']:>9.1f} {r['ratio_to_hf']:>6.2f} "
+        lines.append(f"{r['label']:<{lw}} {r['tokens_per_second']:>9.1f} {r['ratio_to_hf']:>6.2f} "
                      f"{r['effective_k']:>7.2f} {r['forward_passes_per_second']:>9.1f} {r['tokens']:>10d}{drafts}")
     lines.append(f"median of {c['repeats']} repeats x {c['prompts']} prompts x {c['max_new_tokens']} new tokens; "
                  f"{c['device']} {c['dtype']}, {c['torch_threads']} torch threads; {c['forward_path']}; "
