@@ -58,9 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{','.join(map(str, DEFAULT_WIDTHS))})")
     p.add_argument("--width-repeats", type=int, default=15, help="passes timed per width (default: 15)")
     p.add_argument("--width-context", type=int, default=0,
-                   help="at least this many tokens cached before the width curve's passes (its prompt repeated; "
-                        "e.g. 1000; default: the prompt once, ~69 tokens): at a long cache attention weighs "
-                        "against the weights' read")
+                   help="cache at least this many tokens before the width curve's passes (its prompt repeated; "
+                        "e.g. 1000; default: the prompt once, ~69 tokens; at most the model's positions less the "
+                        "widest pass and one repetition): shows what attention over a long conversation adds to a "
+                        "wide pass. Not used with --concurrency")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the 1 GiB bandwidth measurement")
     p.add_argument("--no-llama-cpp", action="store_true",
                    help="skip the llama.cpp baseline (run only when llama-cpp-python is installed)")

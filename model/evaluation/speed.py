@@ -162,7 +162,8 @@ def bench(
         widths: tokens per pass of the width curve (empty: no curve).
         width_repeats: timed passes per width and method (median).
         width_context: tokens cached before the width curve's passes (:func:`width_prompt`; 0: its prompt once,
-            ~69 tokens with SmolLM2's chat template).
+            ~69 tokens with SmolLM2's chat template); at most the model's positions less the widest pass and one
+            repetition of the prompt.
         measure_bandwidth: measure the device's memory bandwidth (1 GiB).
         plain: the plain base for HF ``generate`` (default :func:`plain_base` of ``lm``).
         llama_cpp: add llama.cpp greedy decoding of the same weights as a second baseline, and its width
@@ -181,7 +182,8 @@ def bench(
         ValueError: no prompts, repeats < 1, bad max_new_tokens, strategy, width or width context.
     """
     _check_bench_args(prompts, repeats, max_new_tokens, widths)
-    prompt = width_prompt(lm, width_context)  # before any timing: a bad context is refused at once
+    # before any timing: a context the model cannot hold is refused at once (no curve: not used)
+    prompt = width_prompt(lm, width_context, max(widths)) if widths else None
     load_before = _loadavg()
     strategies = parse_strategies(strategy_specs, lm.default_k_max)
     plain = plain if plain is not None else plain_base(lm)

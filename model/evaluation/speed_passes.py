@@ -140,23 +140,25 @@ class _WorkerThread:
         self._thread.join()
 
 
-def width_prompt(lm: LoadedModel, context_tokens: int = 0) -> str:
+def width_prompt(lm: LoadedModel, context_tokens: int = 0, widest: int = 64) -> str:
     """The prompt the width curve caches before its passes: :data:`~model.engine.width.WIDTH_PROMPT`, repeated until
     ``lm`` tokenizes it into at least ``context_tokens`` tokens (0: once; at most one repetition more). A longer
     cache weighs attention, which reads every cached key and value per query row, against the weights' read.
+    ``widest``: the most tokens a pass of the curve feeds after it.
 
     Raises:
         ValueError: ``context_tokens`` not an integer >= 0, or more than the model's positions leave for the
-            prompt's last repetition and a 64-token pass.
+            prompt's last repetition and a ``widest``-token pass.
     """
     once, twice = len(lm.prompt_ids(WIDTH_PROMPT)), len(lm.prompt_ids(WIDTH_PROMPT + " " + WIDTH_PROMPT))
     step, limit = max(1, twice - once), lm.max_positions
-    most = None if limit is None else limit - 64 - step
+    most = None if limit is None else limit - widest - step
     if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) or context_tokens < 0 or (
             most is not None and context_tokens > most):
-        bound = "" if most is None else (f" and at most {most} (this model's {limit} positions less a 64-token "
+        bound = "" if most is None else (f" and at most {most} (this model's {limit} positions less a {widest}-token "
                                          f"pass and one more repetition of the prompt)")
-        raise ValueError(f"the width curve's context must be an integer ≥ 0{bound}, got {context_tokens!r}.")
+        raise ValueError(f"the width curve's context (--width-context) must be an integer ≥ 0{bound}, "
+                         f"got {context_tokens!r}.")
     repeats = 1 + max(0, -(-(context_tokens - once) // step))  # from the tokens one more repetition adds
     while len(lm.prompt_ids(prompt := " ".join([WIDTH_PROMPT] * repeats))) < context_tokens:
         repeats += 1

@@ -208,4 +208,5 @@ def test_width_curve_over_a_longer_cache(tiny_lm):
     assert f"cache of {rep['width']['context_tokens']} tokens" in format_table(rep)
     for bad in (-1, 2048 - 64, 1.5, True):
         with pytest.raises(ValueError, match="width curve's context"):
-            bench(tiny_lm, ["Hi"], "standard", repeats=1, max_new_tokens=3, widths=(1,), width_context=bad)
+            bench(tiny_lm, ["Hi"], "standard", repeats=1, max_new_tokens=3, widths=(1, 64), width_context=bad)
+    assert len(tiny_lm.prompt_ids(width_prompt(tiny_lm, 2048 - 64, widest=4))) <= 2048 - 4  # room for the widest
