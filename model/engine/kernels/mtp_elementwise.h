@@ -156,17 +156,17 @@ TGT2 static void dot_kv4_heads(const float* const* q, const void* kc, int dtype,
   }
 }
 
-// scores_bf16's 16-key step for head_dim 64 and 16 consecutive keys from k: the same instructions, the keys
-// addressed from one pointer (no offset loaded per key, head and half).
-template <int G>
-TGT512 static inline void scores16_hd64(const uint32_t (*q2)[256], const uint16_t* k, float* const* out, int64_t i) {
+// scores_bf16's 16-key step: each head's scores against 16 keys, key j's half at d read at key(j, d), one
+// transposed reduction a head (reduce_add16).
+template <int G, class KeyAt>
+TGT512 static inline void scores16(const uint32_t (*q2)[256], int hd, KeyAt key, float* const* out, int64_t i) {
   for (int g = 0; g < G; g++) {
     __m512 a[16];
     for (int j = 0; j < 16; j++) a[j] = _mm512_setzero_ps();
-    for (int d = 0; d < 64; d += 32) {
+    for (int d = 0; d < hd; d += 32) {
       const __m512bh qv = (__m512bh)_mm512_loadu_si512((const void*)(q2[g] + d / 2));
       for (int j = 0; j < 16; j++)
-        a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_loadu_si512((const void*)(k + j * 64 + d)));
+        a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_loadu_si512((const void*)key(j, d)));
     }
     _mm512_storeu_ps(out[g] + i, reduce_add16(a));
   }
@@ -185,21 +185,12 @@ TGT512 static void scores_bf16(const float* const* q, const void* kc, const int6
   for (int g = 0; g < G; g++) to_bf16_row16(q[g], (uint16_t*)q2[g], hd);
   const uint16_t* k = (const uint16_t*)kc;
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {  // 16 keys a head: one transposed reduction (reduce_add16)
-    if (hd == 64 && off[i + 15] - off[i] == 15 * 64) {  // 16 keys one after another (the cache before this pass)
-      scores16_hd64<G>(q2, k + off[i], out, i);
-      continue;
-    }
-    for (int g = 0; g < G; g++) {
-      __m512 a[16];
-      for (int j = 0; j < 16; j++) a[j] = _mm512_setzero_ps();
-      for (int d = 0; d < hd; d += 32) {
-        const __m512bh qv = (__m512bh)_mm512_loadu_si512((const void*)(q2[g] + d / 2));
-        for (int j = 0; j < 16; j++)
-          a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_loadu_si512((const void*)(k + off[i + j] + d)));
-      }
-      _mm512_storeu_ps(out[g] + i, reduce_add16(a));
-    }
+  for (; i + 16 <= n; i += 16) {
+    const uint16_t* k0 = k + off[i];
+    if (hd == 64 && off[i + 15] - off[i] == 15 * 64)  // 16 keys one after another (the cache before this pass):
+      scores16<G>(q2, 64, [k0](int j, int d) { return k0 + j * 64 + d; }, out, i);  // addressed from one pointer
+    else
+      scores16<G>(q2, hd, [k, o = off + i](int j, int d) { return k + o[j] + d; }, out, i);
   }
   for (; i + 4 <= n; i += 4) {
     __m512 a[G][4];

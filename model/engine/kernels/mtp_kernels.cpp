@@ -267,7 +267,7 @@ static int32_t selftest_layout(int32_t isa, int layout) {
 }
 
 // Attention scores on the zmm paths (scores_bf16): 3 heads against 37 bf16 keys, out of cache order and in it (two
-// blocks of 16, consecutive ones through scores16_hd64, one of 4, one alone) have, key by key, the bits of each
+// blocks of 16, consecutive ones addressed from one pointer, one of 4, one alone) have, key by key, the bits of each
 // key scored alone. 0, else 6.
 static int32_t selftest_scores() {
   const int hd = 64, n = 37, G = 3;
@@ -279,7 +279,7 @@ static int32_t selftest_scores() {
   int64_t off[n];
   const float* qs[G] = {q, q + hd, q + 2 * hd};
   float* outs[G] = {all, all + 40, all + 80};
-  for (int stride : {7, 1}) {  // keys out of cache order, as a tree skips; then in order (scores16_hd64)
+  for (int stride : {7, 1}) {  // keys out of cache order, as a tree skips; then in order (one pointer for 16 keys)
     for (int i = 0; i < n; i++) off[i] = (int64_t)((i * stride) % n) * hd;
     scores_bf16<G>(qs, keys, off, n, hd, outs);
     for (int i = 0; i < n; i++) {
