@@ -285,7 +285,8 @@ def _open(path: Path) -> ctypes.CDLL:
 _SELFTEST_FAILURES = {1: "a row of a wide product differs from its one-row product", 2: "2 threads differ from 1",
                       3: "a product is off the float64 reference", 4: "out of memory",
                       5: "its adapter-factor kernel differs from the AVX2 kernel's bits",
-                      6: "an attention score of a block of keys differs from the key's score alone"}
+                      6: "an attention score of a block of keys differs from the key's score alone",
+                      7: "a bf16 model's weighted values differ from their float64 sum"}
 
 
 def _ready(isa: str, emulate: bool) -> ctypes.CDLL:

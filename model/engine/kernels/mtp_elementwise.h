@@ -268,6 +268,54 @@ TGT512 static void weighted_values_heads512(const float* const* p, int64_t n, co
   }
 }
 
+// weighted values of a bf16 model on the zmm paths (head_dim a multiple of 64): o[g][d] = (sum_i p[g][i] v_i[d]) *
+// inv[g], rounded to bf16, with the probabilities rounded to bf16 first, as transformers rounds them before its
+// product with the values. Values 2j and 2j + 1 of the list (a last odd one paired with zeros) go through one
+// vdpbf16ps: each value row is interleaved with the next once for the G heads, and the multiply-adds are half
+// those of the float32 sum. A row's bits depend on its list of values only (the pairs follow the list).
+template <int G>
+TGT512 static void weighted_values_bf16(const float* const* p, int64_t n, const void* vc, const int64_t* off, int hd,
+                                        const float* inv, float* const* o) {
+  static thread_local Scratch s_p16;
+  const int64_t np = (n + 1) / 2, ld = 2 * np + 32;
+  uint16_t* p16 = (uint16_t*)s_p16.get(G * ld / 2 + 16);
+  for (int g = 0; g < G; g++) {
+    to_bf16_row16(p[g], p16 + g * ld, n);
+    p16[g * ld + n] = 0;  // the odd last value's partner
+  }
+  const uint32_t* p2 = (const uint32_t*)p16;
+  const uint16_t* v = (const uint16_t*)vc;
+  const __m512i zero = _mm512_setzero_si512();
+  for (int d0 = 0; d0 < hd; d0 += 64) {
+    __m512 acc[G][4];
+    for (int g = 0; g < G; g++)
+      for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < np; j++) {
+      const uint16_t* a = v + off[2 * j] + d0;
+      const bool two = 2 * j + 1 < n;
+      const uint16_t* b = two ? v + off[2 * j + 1] + d0 : a;
+      const __m512i a0 = _mm512_loadu_si512(a), a1 = _mm512_loadu_si512(a + 32);
+      const __m512i b0 = two ? _mm512_loadu_si512(b) : zero, b1 = two ? _mm512_loadu_si512(b + 32) : zero;
+      // 32-bit slot l of each: (value 2j, value 2j + 1) at element 8 (l / 4) + l % 4 (+ 4 for hi, + 32 for a1)
+      const __m512i w[4] = {_mm512_unpacklo_epi16(a0, b0), _mm512_unpackhi_epi16(a0, b0),
+                            _mm512_unpacklo_epi16(a1, b1), _mm512_unpackhi_epi16(a1, b1)};
+      for (int g = 0; g < G; g++) {
+        const __m512bh pg = (__m512bh)_mm512_set1_epi32((int)p2[g * (ld / 2) + j]);
+        for (int c = 0; c < 4; c++) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], pg, (__m512bh)w[c]);
+      }
+    }
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int g = 0; g < G; g++)
+      for (int h = 0; h < 2; h++) {  // elements d0 + 32 h + 0..15 and + 16..31, back in order
+        const __m512 lo = acc[g][2 * h], hi = acc[g][2 * h + 1], sc = _mm512_set1_ps(inv[g]);
+        float* dst = o[g] + d0 + 32 * h;
+        _mm512_storeu_ps(dst, to_dtype16(_mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), sc), DT_BF16));
+        _mm512_storeu_ps(dst + 16, to_dtype16(_mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), sc), DT_BF16));
+      }
+  }
+}
+
 // acc[d] = fma(p, v[d], acc[d]) for one cached value (every lane one fused multiply-add, vector or tail).
 TGT2 static void axpy_kv(float* acc, float p, const void* vc, int dtype, int64_t off, int hd) {
   const __m256 pv = _mm256_set1_ps(p);

@@ -218,7 +218,8 @@ static float selftest_uniform(uint32_t* seed) {
 // one-row result, 2 threads the bits of 1, and each element is within 1e-5 (relative to its sum of |products|) of
 // a float64 reference; else 1, 2 or 3 (the check that failed), 4 when the weight could not be allocated, 5 when
 // the zmm kernel for B differs from the AVX2 kernel it stands in for, 6 when an attention score of a block of keys
-// differs from the key's score alone (selftest_scores). kernels/__init__.py runs it once per path.
+// differs from the key's score alone (selftest_scores), 7 when a bf16 model's weighted values are off
+// (selftest_values). kernels/__init__.py runs it once per path.
 static int32_t selftest_layout(int32_t isa, int layout) {
   const int n = 72, k = 72, TMAX = 20;
   uint32_t seed = 12345u;
@@ -292,9 +293,38 @@ static int32_t selftest_scores() {
   return 0;
 }
 
+// A bf16 model's weighted values on the zmm paths (weighted_values_bf16): 3 heads over 37 values (an odd count)
+// out of cache order, against a float64 sum of the bf16-rounded probabilities times the values: each element within
+// 2^-7 of the sum of |products| (the output is rounded to bf16). 0, else 7.
+static int32_t selftest_values() {
+  const int hd = 64, n = 37, G = 3;
+  uint32_t seed = 777u;
+  float p[G * n], o[G * hd], inv[G] = {0.5f, 1.0f, 2.0f};
+  uint16_t vals[n * 64];
+  for (int i = 0; i < G * n; i++) p[i] = 0.5f + 0.5f * selftest_uniform(&seed);
+  for (int i = 0; i < n * hd; i++) vals[i] = f32_to_bf16(selftest_uniform(&seed));
+  int64_t off[n];
+  for (int i = 0; i < n; i++) off[i] = (int64_t)((i * 7) % n) * hd;
+  const float* ps[G] = {p, p + n, p + 2 * n};
+  float* os[G] = {o, o + hd, o + 2 * hd};
+  weighted_values_bf16<G>(ps, n, vals, off, hd, inv, os);
+  for (int g = 0; g < G; g++)
+    for (int d = 0; d < hd; d++) {
+      double ref = 0, mag = 0;
+      for (int i = 0; i < n; i++) {
+        const double t = (double)round_bf16(p[g * n + i]) * bf16_to_f32(vals[off[i] + d]) * inv[g];
+        ref += t;
+        mag += fabs(t);
+      }
+      if (fabs(o[g * hd + d] - ref) > mag / 128) return 7;
+    }
+  return 0;
+}
+
 extern "C" int32_t mtp_selftest(int32_t isa) {
   if (isa == ISA_AVX2) return selftest_layout(isa, LAYOUT_BF16);
   if (const int32_t rc = selftest_scores()) return rc;
+  if (const int32_t rc = selftest_values()) return rc;
   const int own = pair_layout(isa), other = own == LAYOUT_BF16_TILES ? LAYOUT_BF16_PAIRS : LAYOUT_BF16_TILES;
   const int layouts[] = {own, other, LAYOUT_BF16};
   for (int layout : layouts)

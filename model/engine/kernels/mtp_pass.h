@@ -28,6 +28,10 @@ TGT2 static void attend_heads(const mtp_model* M, const float* qt, const void* k
     for (int64_t i = i4; i < n; i++) s[i] = dot_kv(qs[g], kc, dtype, idx[i], hd);
     inv[g] = 1.0f / softmax_unnormalised(s, n, M->scaling);
   }
+  if (dtype == DT_BF16 && hd % 64 == 0 && M->isa >= ISA_AVX512BF16) {  // two values a vdpbf16ps
+    weighted_values_bf16<G>(scs, n, vc, idx, hd, inv, os);
+    return;
+  }
   if (hd % 64 == 0 && M->isa >= ISA_AVX512BF16) {  // 16 lanes: each lane's multiply-adds as on 8
     weighted_values_heads512<G>(scs, n, vc, dtype, idx, hd, inv, os);
     return;
