@@ -196,7 +196,9 @@ def passes_figure(records: Sequence[PassRecord], strategy: Strategy | None, anim
     verifies = bool(strategy is not None and strategy.lossless)
     k_max = strategy.k_max if strategy is not None else 1
     tau = strategy.tau if strategy is not None and strategy.name == "confadapt" else None
-    bottom = "Drafts checked, model's token, new drafts" if verifies else "This pass: proposals, confidence"
+    # tau's value in the title, not on the plot (it sat over the last bar); short enough for a 390 px phone
+    bottom = ("Drafts checked, model's token, new drafts" if verifies else "This pass: proposals, confidence"
+              if tau is None else f"This pass: proposals (dashed: tau {tau:.2f})")
     fig = make_subplots(rows=2, cols=1, vertical_spacing=0.16, row_heights=[0.42, 0.58],
                         subplot_titles=("Tokens kept per forward pass", bottom))
     for ann in fig.layout.annotations:
@@ -222,8 +224,7 @@ def passes_figure(records: Sequence[PassRecord], strategy: Strategy | None, anim
     for row in (1, 1, 2):  # every pass's kept tokens, the pass shown over its bar, that pass's block: plain dicts
         fig.add_trace(go.Bar(), row=row, col=1)  # filled in below (validating them grows with the answer)
     if tau is not None:
-        fig.add_hline(y=tau, line_dash="dash", line_color="#444", row=2, col=1,
-                      annotation_text=f"tau {tau:.2f}", annotation_position="top right")
+        fig.add_hline(y=tau, line_dash="dash", line_color="#444", row=2, col=1)
     # rotated token labels: automargin keeps the first ones inside the figure on a phone (390 px)
     fig.update_xaxes(tickangle=-50, type="category", automargin=True, row=2, col=1)
     fig.update_layout(title={"text": _frame_title(records[last], n), "x": 0.0, "xanchor": "left", "font": {"size": 14}},

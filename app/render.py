@@ -305,10 +305,17 @@ STRATEGY_HELP = {
 }
 
 
+#: When the controls take effect (a turn reads them once, when it starts; moving tau mid-answer changed nothing
+#: on the page and said nothing).
+CONTROLS_APPLY = "Changed controls apply from your next message: an answer keeps the settings it started with."
+
+
 def strategy_help_html(choice: str, shape_line: str = "") -> str:
-    """The explanation line for the chosen strategy (for lossless, then the shape line: :func:`shape_text`)."""
+    """The explanation line for the chosen strategy (for lossless, then the shape line: :func:`shape_text`), and
+    when changed controls apply (:data:`CONTROLS_APPLY`)."""
     extra = f'<div class="mtp-shape">{esc(shape_line)}</div>' if shape_line and choice == "lossless" else ""
-    return f'<div class="mtp-strategy-help">{STRATEGY_HELP.get(choice, "")}{extra}</div>'
+    return (f'<div class="mtp-strategy-help">{STRATEGY_HELP.get(choice, "")} <i>{esc(CONTROLS_APPLY)}</i>'
+            f'{extra}</div>')
 
 
 def width_text(profile: WidthProfile, width: int = 4, *, where: bool = True) -> str:

@@ -106,6 +106,11 @@ def test_a_frame_draws_its_pass_over_every_passs_bar_and_frames_grow_linearly():
     assert top["x"] == list(range(1, 101)) and top["y"] == [len(r.kept) for r in recs]
     assert now["x"] == [100] and now["y"] == [len(recs[-1].kept)] and fig["layout"]["barmode"] == "overlay"
     assert block["xaxis"] == "x2" and block["x"] == ["1:a", "2:b", "3:c", "4:d"]
+    # tau: a dashed line at 0.9 across the bottom row, named in that row's title, not written over its last bar
+    (line,) = fig["layout"]["shapes"]
+    assert line["y0"] == line["y1"] == 0.9 and line["line"]["dash"] == "dash"
+    titles = [a["text"] for a in fig["layout"]["annotations"]]
+    assert titles == ["Tokens kept per forward pass", "This pass: proposals (dashed: tau 0.90)"]
     for rec, frame in zip(recs, fig["frames"]):
         assert frame["traces"] == [1, 2]
         assert frame["data"][0]["x"] == [rec.index + 1] and frame["data"][0]["y"] == [len(rec.kept)]

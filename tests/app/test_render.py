@@ -251,6 +251,8 @@ def test_the_device_note_and_the_shape_line_say_what_width_costs_here():
     assert render.shape_text(shape, cpu, "full tree", 4).startswith("Shape: full tree at k_max 4, as chosen")
     assert "Shape:" in render.strategy_help_html("lossless", line) and "Shape:" not in render.strategy_help_html(
         "ConfAdapt", line)
+    for choice in render.STRATEGY_HELP:  # a control moved mid-answer: the page says when it applies
+        assert "apply from your next message" in render.strategy_help_html(choice)
 
 
 def test_a_slowdown_is_styled_as_one_and_a_headline_has_one_but():
