@@ -259,8 +259,8 @@ def test_attention_for_every_head_grouping(base_tokenizer, monkeypatch, one_torc
     """Attention runs up to 3 query heads of one KV head together (each cached key and value widened once for
     them): 8 heads on one KV head (3 + 3 + 2), 3 per KV head, 1; head sizes that take the 32-lane weighted sum,
     the 8-lane scores with the scalar weighted sum, the scalar scores, and (64) a bf16 model's weighted sum two
-    values a vdpbf16ps on the zmm paths. Rows stay exact at every width and in a tree (bf16) on one and two threads,
-    bf16 logits stay within 0.05 of transformers' largest, and float32 logits within 1e-4."""
+    values a vdpbf16ps on the zmm paths. Rows stay exact at every width and in a tree (bf16) on one and two threads;
+    against transformers' logits, ours stay within 5% of its largest in bf16 and within 1e-4 of it in float32."""
     from transformers import DynamicCache
 
     shape = dict(hidden_size=96, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
@@ -269,7 +269,8 @@ def test_attention_for_every_head_grouping(base_tokenizer, monkeypatch, one_torc
     assert_rows_exact_on_one_and_two_threads(lm, ids, (2, 5, 8))
     x = torch.tensor([ids + [m] * 3])
     for dtype, tol in ((torch.bfloat16, 0.05), (torch.float32, 1e-4)):
-        lm = on_kernels(_tiny(base_tokenizer, dtype=dtype, adapter="alora", **shape), isa, monkeypatch)
+        if dtype != lm.dtype:
+            lm = on_kernels(_tiny(base_tokenizer, dtype=dtype, adapter="alora", **shape), isa, monkeypatch)
         with torch.no_grad():
             ours = lm.forward(x, lm.new_cache(), 3, 0).float()
             lib = lm.forward(x, DynamicCache(config=lm.model.config), 3, 0).float()
