@@ -77,10 +77,11 @@ def seq_js(n_inputs: int) -> str:
 STOP_JS = "(seq) => String(window.mtpMessageNumber || 0)"
 
 
-#: After Load model: its outcome (under the button) scrolled into view, as little as needed; the button is often
-#: at the bottom of the window when clicked.
+#: After Load model: its outcome (under the button) scrolled to the middle of the window; the button is often at
+#: the bottom of the window when clicked. Not 'nearest': the message can still grow by a line after the scroll
+#: (Gradio renders it asynchronously), which left its last line a fraction of a pixel below the window.
 SHOW_LOAD_STATUS_JS = ("() => { const e = document.querySelector('#load-status'); "
-                       "if (e) e.scrollIntoView({block: 'nearest'}); }")
+                       "if (e) e.scrollIntoView({block: 'center'}); }")
 
 
 def message_number(value: Any) -> int | None:
