@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 from model.engine.loaded_model import LoadedModel
 from model.engine.decoding import DraftCheck, GenerationResult, PassRecord
+from model.engine.records import FEW_CHECKS, by_position_text
 from model.engine.strategies import Strategy
 
 from .device import LosslessShape, WidthProfile
@@ -127,7 +128,8 @@ COUNTER_HELP = {
 VERIFY_COUNTER_HELP = {
     "acc. rate": "draft acceptance rate (vLLM, llama.cpp): drafts accepted ÷ drafts checked",
     "by position": ("acceptance by draft position (vLLM's per-position acceptance rate): the share of passes that "
-                    "accepted draft 1, 2, 3, … (a draft after a rejected one counts as rejected)"),
+                    "accepted draft 1, 2, 3, … (a draft after a rejected one counts as rejected); a position checked "
+                    f"fewer than {FEW_CHECKS} times shows its counts, e.g. 0 of 2"),
 }
 
 
@@ -162,8 +164,7 @@ def counters(result: GenerationResult | None, timing: SideTiming | None = None, 
     }
     if verifies:
         out["acc. rate"] = num_text(result.draft_acceptance_rate, ".2f")
-        by_pos = result.acceptance_by_position
-        out["by position"] = " / ".join(num_text(a, ".2f") for a in by_pos) if by_pos else "–"
+        out["by position"] = by_position_text(*result.drafts_by_position) or "–"
     return out
 
 

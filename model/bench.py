@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_SOURCE, help=f"checkpoint: a path, hub id or {DEFAULT_SOURCE} (default)")
     p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
                    help=f"comma-separated strategy specs, e.g. standard,confadapt:0.9:4,verify:auto "
-                        f"(default: {DEFAULT_STRATEGIES})")
+                        f"(default: {DEFAULT_STRATEGIES}); at least one: for the width curve alone, "
+                        f"--strategies standard --prompts 1 --repeats 1 --max-new-tokens 8 keeps decoding short")
     p.add_argument("--prompts", type=int, default=3, help="number of prompts (the first of --data; default: 3)")
     p.add_argument("--data", default=None,
                    help="JSONL with question (GSM8K) or prompt rows, e.g. assets/general_prompts_heldout.jsonl "

@@ -185,6 +185,13 @@ class GenerationResult:
         return acceptance_by_position(self.passes)
 
     @property
+    def drafts_by_position(self) -> tuple[list[int], list[int]]:
+        """Per draft position j = 1, 2, ...: ``(accepted, proposed)``, the counts behind
+        :attr:`acceptance_by_position` (a share of 0.00 over 2 drafts says little)."""
+        tally = DraftTally(self.passes)
+        return tally.accepted, tally.proposed
+
+    @property
     def seconds(self) -> float:
         """Sum of the passes' own seconds."""
         return sum(p.seconds for p in self.passes)
@@ -238,6 +245,17 @@ class DraftTally:
     def by_position(self) -> list[float | None]:
         """Accepted / proposed per draft position, None where no draft was proposed."""
         return [a / n if n else None for a, n in zip(self.accepted, self.proposed)]
+
+
+#: Draft positions checked fewer times than this are shown as counts (``0 of 2``) by :func:`by_position_text`.
+FEW_CHECKS = 10
+
+
+def by_position_text(accepted: Sequence[int], checked: Sequence[int]) -> str:
+    """Acceptance by draft position for people, e.g. ``0.79 / 0 of 2``: each position's share of the passes that
+    checked a draft there, or its counts where those passes are fewer than :data:`FEW_CHECKS` (a verify:auto
+    answer that mostly feeds one draft may feed two twice: a share of 0.00 there read like a measured rate)."""
+    return " / ".join(f"{a / n:.2f}" if n >= FEW_CHECKS else f"{a} of {n}" for a, n in zip(accepted, checked))
 
 
 def acceptance_by_position(passes: Sequence[PassRecord]) -> list[float | None]:

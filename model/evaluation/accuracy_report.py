@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
+from ..engine.records import by_position_text
 from ..engine.strategies import Strategy, resolve_strategy, standard
 from ..errors import DataError
 from .gsm8k import extract_answer, is_correct
@@ -50,19 +51,29 @@ def draft_metrics(drafts: Sequence[Sequence[int]]) -> dict:
     """Verification's acceptance figures, as vLLM and llama.cpp name them, from ``(proposed, accepted)``
     per pass that fed drafts (:attr:`~model.engine.decoding.PassRecord.counted_drafts`):
     ``draft_acceptance_rate`` (accepted / proposed drafts) and ``acceptance_by_position`` (per draft
-    position, the share of passes that proposed it in which it was accepted). The mean acceptance length
+    position, the share of passes that proposed it in which it was accepted), with the counts behind those
+    shares (``drafts_accepted_by_position``, ``drafts_checked_by_position``). The mean acceptance length
     is ``effective_k_mean``. Empty dict without drafts."""
     if not drafts:
         return {}
     proposed = sum(n for n, _ in drafts)
     accepted = sum(a for _, a in drafts)
     width = max(n for n, _ in drafts)
-    by_pos = []
-    for j in range(width):
-        seen = [a for n, a in drafts if n > j]
-        by_pos.append(sum(a > j for a in seen) / len(seen))
+    checked_at = [sum(1 for n, _ in drafts if n > j) for j in range(width)]
+    accepted_at = [sum(1 for n, a in drafts if n > j and a > j) for j in range(width)]
     return {"drafts_proposed": proposed, "drafts_accepted": accepted,
-            "draft_acceptance_rate": accepted / proposed if proposed else None, "acceptance_by_position": by_pos}
+            "draft_acceptance_rate": accepted / proposed if proposed else None,
+            "acceptance_by_position": [a / n for a, n in zip(accepted_at, checked_at)],
+            "drafts_accepted_by_position": accepted_at, "drafts_checked_by_position": checked_at}
+
+
+def by_position_cell(row: dict) -> str:
+    """A report row's acceptance by draft position as :func:`~model.engine.records.by_position_text` writes it
+    (counts where a position was checked fewer than 10 times); a report written before the counts were kept: its
+    shares."""
+    if "drafts_checked_by_position" in row:
+        return by_position_text(row["drafts_accepted_by_position"], row["drafts_checked_by_position"])
+    return " / ".join(f"{x:.2f}" for x in row.get("acceptance_by_position", []))
 
 
 def read_report(path: str | Path) -> dict:
@@ -159,8 +170,7 @@ def merge_reports(reports: Sequence[dict]) -> dict:
 def _drafts_cell(row: dict) -> str:
     if row.get("draft_acceptance_rate") is None:
         return ""
-    return (f"  {row['draft_acceptance_rate']:.2f} ("
-            + " / ".join(f"{x:.2f}" for x in row.get("acceptance_by_position", [])) + ")")
+    return f"  {row['draft_acceptance_rate']:.2f} ({by_position_cell(row)})"
 
 
 def format_table(report: dict) -> str:

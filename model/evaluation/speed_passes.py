@@ -215,7 +215,7 @@ def width_curve(lm: LoadedModel, plain: LoadedModel, widths: Sequence[int] = DEF
             before.forward(tokens(t - m, m), old_cache, num_masks=m, logits_to_keep=t)
             old_cache.crop(-t)
 
-        methods.append(("torch_path", "torch path (off), "
+        methods.append(("torch_path", "torch path (MTP_KERNELS=off), "
                         + ("1 real + T-1 masks" if lm.adapter is not None else "T real tokens"), old_pass))
     worker = _WorkerThread()  # the page's passes run on a thread of their own: timed beside the main thread's
     thread_cache = lm.new_cache()

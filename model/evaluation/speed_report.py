@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..engine.sampling import Sampling
+from .accuracy_report import by_position_cell
 
 
 def format_table(report: dict) -> str:
@@ -17,8 +18,7 @@ def format_table(report: dict) -> str:
     lines = [head, "-" * len(head)]
     for r in report["methods"]:
         drafts = "" if r.get("draft_acceptance_rate") is None else (
-            f"  drafts accepted {r['draft_acceptance_rate']:.2f} (by position "
-            + " / ".join(f"{x:.2f}" for x in r["acceptance_by_position"]) + ")")
+            f"  drafts accepted {r['draft_acceptance_rate']:.2f} (by position {by_position_cell(r)})")
         lines.append(f"{r['label']:<{lw}} {r['tokens_per_second']:>9.1f} {r['ratio_to_hf']:>6.2f} "
                      f"{r['effective_k']:>7.2f} {r['forward_passes_per_second']:>9.1f} {r['tokens']:>10d}{drafts}")
     lines.append(f"median of {c['repeats']} repeats x {c['prompts']} prompts x {c['max_new_tokens']} new tokens; "

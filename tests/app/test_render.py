@@ -229,6 +229,21 @@ def test_counters_follow_the_headlines_method_and_name_vllms_figures():
     for name, meaning in render.VERIFY_COUNTER_HELP.items():
         assert f'data-name="{name}" title="{htmllib.escape(meaning, quote=True)}"' in out
     assert "vLLM" in render.VERIFY_COUNTER_HELP["acc. rate"] and "mean acceptance length" in render.COUNTER_HELP["eff. k"]
+    # each position as a share of the passes that checked it, or as counts where those are few: 12 passes check one
+    # draft (9 accepted), 2 more check two (the first accepted, the second not)
+    from types import SimpleNamespace
+
+    from model.engine.decoding import GenerationResult, PassRecord
+
+    def checked(i, drafts, accepted):
+        return PassRecord(index=i, fed_real=1, fed_masks=2, proposals=[1, 2, 3], proposal_texts=["t"] * 3,
+                          confidences=[0.9] * 3, kept=[1] * (accepted + 1), text="t", accepted=accepted + 1,
+                          seconds=0.01, fed_drafts=drafts, verification=SimpleNamespace(accepted=accepted))
+
+    passes = [checked(i, 1, int(i % 4 != 0)) for i in range(12)] + [checked(12, 2, 1), checked(13, 2, 1)]
+    result = GenerationResult(text="t", token_ids=[1] * 30, passes=passes, strategy="verify:3")
+    assert result.drafts_by_position == ([11, 0], [14, 2]) and result.acceptance_by_position == [11 / 14, 0.0]
+    assert render.counters(result, verifies=True)["by position"] == "0.79 / 0 of 2"  # FEW_CHECKS: 10
     assert "How speed is measured" in headline.timing_html() and "measured s" in headline.TIMING_HELP
 
 

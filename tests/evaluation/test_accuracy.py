@@ -139,3 +139,16 @@ def test_png_export_that_never_answers_is_stopped(tmp_path, monkeypatch):
         pid = int(pid_file.read_text())
         time.sleep(0.5)
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_draft_metrics_keep_the_counts_and_tables_show_few_checks_as_counts():
+    """Acceptance by draft position comes with its counts: a position checked twice reads "0 of 2", not a 0.00 that
+    looks measured; a report written before the counts were kept still shows its shares."""
+    from model.evaluation.accuracy_report import by_position_cell, draft_metrics
+
+    m = draft_metrics([(1, 1)] * 9 + [(1, 0)] * 3 + [(2, 1), (2, 1)])  # (proposed, accepted) per pass
+    assert m["drafts_checked_by_position"] == [14, 2] and m["drafts_accepted_by_position"] == [11, 0]
+    assert m["acceptance_by_position"] == [11 / 14, 0.0] and m["draft_acceptance_rate"] == 11 / 16
+    assert by_position_cell(m) == "0.79 / 0 of 2"
+    assert by_position_cell({"acceptance_by_position": [0.5, 0.25]}) == "0.50 / 0.25"
+    assert draft_metrics([]) == {}
