@@ -69,8 +69,8 @@ def draft_metrics(drafts: Sequence[Sequence[int]]) -> dict:
 
 def by_position_cell(row: dict) -> str:
     """A report row's acceptance by draft position as :func:`~model.engine.records.by_position_text` writes it
-    (counts where a position was checked fewer than 10 times); a report written before the counts were kept: its
-    shares."""
+    (counts where a position was checked fewer than ``FEW_CHECKS`` times); a report written before the counts were
+    kept: its shares."""
     if "drafts_checked_by_position" in row:
         return by_position_text(row["drafts_accepted_by_position"], row["drafts_checked_by_position"])
     return " / ".join(f"{x:.2f}" for x in row.get("acceptance_by_position", []))
