@@ -2,7 +2,8 @@
 // ------------------------------------------------------------------------------------------------ the pass
 // Scores, softmax and weighted values of the G heads h0.. (all of one KV head) for one query row, over the n
 // keys / values at element offsets idx. Per head exactly the one-head order: keys in cache order (4 at a time,
-// then one by one), the scale, the max, exp, the sum, values in cache order.
+// then one by one), the scale, the max, exp, the sum, values in cache order (a bf16 model's on the zmm paths two at
+// a time, weighted_values_bf16).
 template <int G>
 TGT2 static void attend_heads(const mtp_model* M, const float* qt, const void* kc, const void* vc, const int64_t* idx,
                               int64_t n, int64_t ldsc, float* sc, float* o) {
@@ -51,7 +52,7 @@ TGT2 static void attend_heads(const mtp_model* M, const float* qt, const void* k
 
 // Attention of query rows [T, heads * hd], each over its own sequence's cache (mtp_batch): row t of sequence
 // s (local index u0) sees every entry below pos[s] and entry pos[s] + u where visible[s][u0 * T_s + u] (NULL:
-// u <= u0). A task is one row and up to 3 heads of one KV head (each key and value widened once for them); each
+// u <= u0). A task is one row and up to 3 heads of one KV head (each key and value read once for them); each
 // head has its keys in cache order, its softmax and its weighted sum in a fixed order, so its bits do not
 // depend on the grouping; the result rounded to the dtype.
 TGT2 static void attention(const mtp_model* M, int T, const float* q, int64_t ldq, const mtp_batch* B, int layer,
