@@ -233,7 +233,10 @@ class DraftTally:
 
     def add(self, p: PassRecord) -> None:
         """Count one pass's drafts."""
-        n, a = p.counted_drafts
+        self.add_counts(*p.counted_drafts)
+
+    def add_counts(self, n: int, a: int) -> None:
+        """Count one pass that proposed ``n`` drafts and accepted the first ``a`` (a report's ``drafts_per_pass``)."""
         while len(self.proposed) < n:
             self.proposed.append(0)
             self.accepted.append(0)

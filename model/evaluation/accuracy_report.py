@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-from ..engine.records import by_position_text
+from ..engine.records import DraftTally, by_position_text
 from ..engine.strategies import Strategy, resolve_strategy, standard
 from ..errors import DataError
 from .gsm8k import extract_answer, is_correct
@@ -56,15 +56,14 @@ def draft_metrics(drafts: Sequence[Sequence[int]]) -> dict:
     is ``effective_k_mean``. Empty dict without drafts."""
     if not drafts:
         return {}
-    proposed = sum(n for n, _ in drafts)
-    accepted = sum(a for _, a in drafts)
-    width = max(n for n, _ in drafts)
-    checked_at = [sum(1 for n, _ in drafts if n > j) for j in range(width)]
-    accepted_at = [sum(1 for n, a in drafts if n > j and a > j) for j in range(width)]
+    tally = DraftTally()
+    for n, a in drafts:
+        tally.add_counts(n, a)
+    proposed, accepted = sum(tally.proposed), sum(tally.accepted)
     return {"drafts_proposed": proposed, "drafts_accepted": accepted,
             "draft_acceptance_rate": accepted / proposed if proposed else None,
-            "acceptance_by_position": [a / n for a, n in zip(accepted_at, checked_at)],
-            "drafts_accepted_by_position": accepted_at, "drafts_checked_by_position": checked_at}
+            "acceptance_by_position": tally.by_position(),
+            "drafts_accepted_by_position": tally.accepted, "drafts_checked_by_position": tally.proposed}
 
 
 def by_position_cell(row: dict) -> str:
